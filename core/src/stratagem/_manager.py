@@ -1,0 +1,213 @@
+"""The plugin manager: the only module that touches ``pm.hook``.
+
+Discovery loads the entry points of the group ``stratagem`` and asks each plugin to
+``register_strategies(register)``. At run time a fresh manager holds the chosen strategy (the only plain
+implementation of each strategy operation) and the add-on plugins, whose implementations must be wrappers.
+Callers use the typed methods of :class:`StrategyHooks`, never ``pm.hook``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ContextManager
+
+import pluggy
+
+from stratagem import hookspecs
+from stratagem._registry import PluginInfo, Registry
+from stratagem.errors import HookImplementationError, PluginLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+    from stratagem.cluster import ClusterEnvironment
+    from stratagem.strategies import Strategy
+
+ENTRY_POINT_GROUP = "stratagem"
+PLUGINS_ENV = "STRATAGEM_PLUGINS"
+BUILTIN_PLUGIN = "stratagem.strategies._builtin"
+
+#: Hooks whose plain implementation belongs to the chosen strategy alone.
+STRATEGY_HOOKS = frozenset(
+    name for name in dir(hookspecs) if not name.startswith("_") and hasattr(getattr(hookspecs, name), "stratagem_spec")
+) - {"register_strategies"}
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def _allowed(environ: Mapping[str, str]) -> set[str] | None:
+    """The entry-point names ``STRATAGEM_PLUGINS`` allows (``None``: all; empty: none but built-ins)."""
+    if PLUGINS_ENV not in environ:
+        return None
+    return {part.strip() for part in environ[PLUGINS_ENV].split(",") if part.strip()}
+
+
+def _entry_points() -> list[Any]:
+    import importlib_metadata
+
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    # The same distribution can be visible twice on sys.path (an editable install and a build dir).
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        key = (ep.name, ep.value)
+        if key not in seen:
+            seen.add(key)
+            unique.append(ep)
+    return unique
+
+
+def discover(environ: Mapping[str, str] | None = None) -> tuple[Registry, list[types.ModuleType]]:
+    """Load the built-in and installed plugins and collect their strategies.
+
+    A plugin that fails to import or to register is recorded in ``registry.broken`` and skipped; the others
+    load. Returns the registry and the plugin modules that loaded (for the run-time manager).
+    """
+    import importlib
+
+    env = os.environ if environ is None else environ
+    registry = Registry()
+    modules: list[types.ModuleType] = []
+    pm = new_plugin_manager()
+    version = _own_version()
+    candidates: list[tuple[PluginInfo, Any]] = [
+        (PluginInfo(name="stratagem", distribution="stratagem", version=version), BUILTIN_PLUGIN)
+    ]
+    allowed = _allowed(env)
+    for ep in _entry_points():
+        if allowed is not None and ep.name not in allowed:
+            continue
+        dist = ep.dist
+        info = PluginInfo(
+            name=ep.name,
+            distribution=dist.name if dist else "(unknown)",
+            version=dist.version if dist else "?",
+        )
+        candidates.append((info, ep))
+    for info, source in candidates:
+        label = source if isinstance(source, str) else f"{source.name} = {source.value}"
+        try:
+            module = importlib.import_module(source) if isinstance(source, str) else source.load()
+            pm.register(module, name=info.name)
+            for impl in pm.hook.register_strategies.get_hookimpls():
+                if impl.plugin is module:
+                    impl.function(register=registry.registrar(info))
+        except Exception as error:
+            registry.broken.append(PluginLoadError(label, info.distribution, info.version, error))
+            continue
+        modules.append(module)
+    return registry, modules
+
+
+def _own_version() -> str:
+    from stratagem._version import __version__
+
+    return __version__
+
+
+_cache: dict[str | None, tuple[Registry, list[types.ModuleType]]] = {}
+_cache_lock = threading.Lock()
+
+
+def get_registry(refresh: bool = False) -> Registry:
+    """The process-wide registry, built on first use (``refresh`` rebuilds it)."""
+    return _cached(refresh)[0]
+
+
+def _cached(refresh: bool = False) -> tuple[Registry, list[types.ModuleType]]:
+    key = os.environ.get(PLUGINS_ENV)
+    with _cache_lock:
+        if refresh or key not in _cache:
+            _cache[key] = discover()
+        return _cache[key]
+
+
+def _check_addon(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    for hook_name in STRATEGY_HOOKS:
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
+                raise HookImplementationError(
+                    f"Plugin {name!r} implements the strategy operation {hook_name!r} as a plain hook. Only the "
+                    f"chosen strategy may; an add-on must use @hookimpl(wrapper=True) around it."
+                )
+
+
+class StrategyHooks:
+    """Typed calls into the chosen strategy and the add-ons wrapped around it."""
+
+    def __init__(self, strategy: Strategy, addons: list[object] | None = None) -> None:
+        self.strategy = strategy
+        self._pm = new_plugin_manager()
+        for addon in _cached()[1] if addons is None else addons:
+            name = getattr(addon, "__name__", None) or type(addon).__name__
+            self._pm.register(addon, name=f"addon:{name}")
+            _check_addon(self._pm, addon, name)
+        self._pm.register(strategy, name=f"strategy:{getattr(strategy, 'registered_name', type(strategy).__name__)}")
+        self._hook = self._pm.hook
+
+    # environment ----------------------------------------------------------------------------------
+    def setup_environment(self, cluster: ClusterEnvironment, precision: str) -> None:
+        self._hook.setup_environment(cluster=cluster, precision=precision)
+
+    # model -----------------------------------------------------------------------------------------
+    def model_init_context(self, empty_init: bool) -> ContextManager[None]:
+        return self._hook.model_init_context(empty_init=empty_init)
+
+    def model_sharded_context(self) -> ContextManager[None]:
+        return self._hook.model_sharded_context()
+
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self._hook.wrap_model(model=model)
+
+    def forward_context(self) -> ContextManager[None]:
+        return self._hook.forward_context()
+
+    # optimization ----------------------------------------------------------------------------------
+    def setup_optimizers(self, model: torch.nn.Module, optimizers: list[Any]) -> list[Any]:
+        return list(self._hook.setup_optimizers(model=model, optimizers=list(optimizers)))
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
+        self._hook.backward(loss=loss, model=model)
+
+    def optimizer_step(self, optimizer: Any, model: torch.nn.Module) -> None:
+        self._hook.optimizer_step(optimizer=optimizer, model=model)
+
+    def clip_gradients(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        return self._hook.clip_gradients(model=model, optimizer=optimizer, max_norm=max_norm)
+
+    def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
+        return self._hook.no_sync(model=model)
+
+    # data ------------------------------------------------------------------------------------------
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return self._hook.distributed_sampler_kwargs()
+
+    # checkpoint ------------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str, state: dict[str, Any], format: str) -> None:
+        self._hook.save_checkpoint(path=path, state=state, format=format)
+
+    def load_checkpoint(self, path: str, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+        return self._hook.load_checkpoint(path=path, state=state, strict=strict)
+
+    # collectives -----------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return self._hook.all_reduce(tensor=tensor, op=op)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self._hook.all_gather(tensor=tensor)
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        return self._hook.broadcast(obj=obj, src=src)
+
+    def barrier(self, name: str | None) -> None:
+        self._hook.barrier(name=name)
+
+    # teardown --------------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        self._hook.teardown()

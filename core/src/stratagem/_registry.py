@@ -1,0 +1,193 @@
+"""The strategy registry: names, factories, declared capabilities, and where each came from."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from stratagem.capabilities import Capabilities
+from stratagem.errors import (
+    CapabilityError,
+    ConfigurationError,
+    MissingDependencyError,
+    PluginLoadError,
+    StrategyConflictError,
+    UnknownStrategyError,
+)
+
+if TYPE_CHECKING:
+    from stratagem.strategies import Strategy
+
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
+
+
+@attrs.frozen(kw_only=True)
+class PluginInfo:
+    """Where a group of registrations came from."""
+
+    name: str
+    distribution: str
+    version: str
+
+
+@attrs.frozen(kw_only=True)
+class StrategyInfo:
+    """One registered strategy name.
+
+    :param factory: a ``Strategy`` subclass or a ``"pkg.module:Class"`` string imported only when chosen.
+    :param preset_options: keyword arguments the name implies (``fsdp_cpu_offload`` -> ``cpu_offload=True``).
+    """
+
+    name: str
+    factory: type | str = attrs.field(repr=False)
+    description: str
+    capabilities: Capabilities
+    preset_options: Mapping[str, Any] = attrs.field(factory=dict)
+    plugin: PluginInfo
+
+    def resolve_factory(self) -> type[Strategy]:
+        """Import the factory if it is a string; fails with the requirement when a dependency is missing."""
+        missing = self.capabilities.missing_requirements()
+        if missing:
+            raise MissingDependencyError(self.name, missing)
+        if not isinstance(self.factory, str):
+            return self.factory
+        module_name, _, attr = self.factory.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+            target = module
+            for part in attr.split("."):
+                target = getattr(target, part)
+        except Exception as error:
+            raise PluginLoadError(
+                f"{self.name} -> {self.factory}", self.plugin.distribution, self.plugin.version, error
+            ) from error
+        return target  # type: ignore[return-value]
+
+    def create(self, **options: Any) -> Strategy:
+        """Instantiate the strategy with the preset options, overridden by ``options``."""
+        from stratagem.strategies import Strategy
+
+        cls = self.resolve_factory()
+        merged = {**self.preset_options, **options}
+        strategy = cls(**merged)
+        if not isinstance(strategy, Strategy):
+            raise ConfigurationError(
+                f"Strategy {self.name!r} from {self.plugin.distribution}: factory {self.factory!r} built a "
+                f"{type(strategy).__name__}, not a stratagem.strategies.Strategy."
+            )
+        strategy.registered_name = self.name
+        return strategy
+
+    def to_json(self) -> dict[str, Any]:
+        missing = self.capabilities.missing_requirements()
+        return {
+            "name": self.name,
+            "description": self.description,
+            "distribution": self.plugin.distribution,
+            "version": self.plugin.version,
+            "plugin": self.plugin.name,
+            "capabilities": self.capabilities.to_json(),
+            "preset_options": {k: repr(v) for k, v in self.preset_options.items()},
+            "missing": missing,
+        }
+
+
+@attrs.define
+class Registry:
+    """Every strategy name known to this process, plus the plugins that failed to load."""
+
+    strategies: dict[str, StrategyInfo] = attrs.field(factory=dict)
+    broken: list[PluginLoadError] = attrs.field(factory=list)
+    conflicts: dict[str, StrategyConflictError] = attrs.field(factory=dict)
+
+    def registrar(self, plugin: PluginInfo) -> Callable[..., None]:
+        """The ``register`` callback handed to one plugin's ``register_strategies``."""
+
+        def register(
+            name: str,
+            factory: type | str,
+            *,
+            description: str,
+            capabilities: Capabilities | None = None,
+            **preset_options: Any,
+        ) -> None:
+            if not name or not set(name) <= _NAME_CHARS:
+                raise ValueError(
+                    f"register({name!r}): a strategy name is lower-case letters, digits and underscores."
+                )
+            if not isinstance(factory, (str, type)):
+                raise TypeError(f"register({name!r}): factory must be a class or 'pkg.module:Class' string.")
+            if isinstance(factory, str) and ":" not in factory:
+                raise ValueError(f"register({name!r}): factory string {factory!r} must look like 'pkg.module:Class'.")
+            if not description:
+                raise ValueError(f"register({name!r}): give a one-line description for `stratagem strategies`.")
+            info = StrategyInfo(
+                name=name,
+                factory=factory,
+                description=description,
+                capabilities=capabilities or Capabilities(),
+                preset_options=dict(preset_options),
+                plugin=plugin,
+            )
+            if name in self.conflicts:
+                return
+            existing = self.strategies.get(name)
+            if existing is not None:
+                self.conflicts[name] = StrategyConflictError(
+                    name, existing.plugin.distribution, plugin.distribution
+                )
+                del self.strategies[name]
+                return
+            self.strategies[name] = info
+
+        return register
+
+    def names(self) -> list[str]:
+        return sorted(self.strategies)
+
+    def __iter__(self) -> Iterator[StrategyInfo]:
+        return iter(self.strategies[name] for name in self.names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.strategies
+
+    def get(self, name: str) -> StrategyInfo:
+        if name in self.conflicts:
+            raise self.conflicts[name]
+        try:
+            return self.strategies[name]
+        except KeyError:
+            hint = ""
+            if self.broken:
+                hint = "Plugins that failed to load: " + "; ".join(
+                    f"{b.entry_point} ({b.distribution})" for b in self.broken
+                ) + ". Run `stratagem strategies` for details."
+            raise UnknownStrategyError(name, self.names(), hint) from None
+
+    def check_request(
+        self,
+        name: str,
+        *,
+        accelerator: str | None = None,
+        precision: str | None = None,
+        world_size: int | None = None,
+        checkpoint_format: str | None = None,
+    ) -> StrategyInfo:
+        """The strategy's info, after checking the request against its declared capabilities."""
+        info = self.get(name)
+        request = dict(
+            accelerator=accelerator, precision=precision, world_size=world_size, checkpoint_format=checkpoint_format
+        )
+        refusal = info.capabilities.refusal(**request)
+        if refusal is not None:
+            capability, requested = refusal
+            alternatives = [other.name for other in self if other.capabilities.refusal(**request) is None]
+            raise CapabilityError(name, capability, requested, alternatives)
+        missing = info.capabilities.missing_requirements()
+        if missing:
+            raise MissingDependencyError(name, missing)
+        return info

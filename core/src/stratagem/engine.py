@@ -1,0 +1,411 @@
+"""``stratagem.Engine``: the strategy's operations for a hand-written loop (the Trainer is built on it)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ContextManager
+
+import torch
+
+from stratagem import cluster as cluster_mod
+from stratagem import launcher
+from stratagem._manager import StrategyHooks, get_registry
+from stratagem.errors import CapabilityError, CheckpointError, ConfigurationError
+from stratagem.precision import normalize
+from stratagem.seed import seed_everything
+from stratagem.strategies.base import Strategy
+
+#: ``stratagem run --strategy S`` sets this; it replaces ``strategy="auto"``.
+STRATEGY_ENV = "STRATAGEM_STRATEGY"
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def _default_format(strategy: Strategy) -> str:
+    return getattr(strategy, "checkpoint_format", "full")
+
+
+class StrategyOptimizer:
+    """The user's optimizer, stepped through the strategy (loss scaling, ZeRO, ...). Everything else
+    (``param_groups``, ``zero_grad``, ``state``) reaches the wrapped optimizer."""
+
+    def __init__(self, optimizer: Any, hooks: StrategyHooks, model: torch.nn.Module) -> None:
+        self.__dict__.update(optimizer=optimizer, _hooks=hooks, _model=model)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if closure is not None:
+            closure()
+        self._hooks.optimizer_step(self.optimizer, self._model)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.optimizer, name, value)
+
+    def __repr__(self) -> str:
+        return f"StrategyOptimizer({self.optimizer!r})"
+
+
+def _clean_name(name: str) -> str:
+    # Wrappers add prefixes to parameter names; strip them to match a parameter before and after wrapping.
+    for prefix in ("_orig_mod.", "module.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def _rebind_optimizer(optimizer: Any, names: dict[int, str], model: torch.nn.Module) -> None:
+    """Point an optimizer built before wrapping at the wrapped model's parameters (FSDP replaces them)."""
+    current = {_clean_name(n): p for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        rebound = []
+        for param in group["params"]:
+            name = names.get(id(param))
+            if name is None or name not in current:
+                raise ConfigurationError(
+                    "An optimizer passed to Engine.setup() holds a parameter that is not in the model. Build the "
+                    "optimizer over model.parameters(), or call setup_module() first and build it afterwards."
+                )
+            rebound.append(current[name])
+        group["params"] = rebound
+
+
+class Engine:
+    """Run a training loop under a strategy chosen by name.
+
+    :param strategy: a registered name (``"ddp"``, ``"fsdp"``, ...), ``"auto"``, or a ``Strategy`` instance.
+    :param accelerator: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+    :param devices: processes per node.
+    :param num_nodes: nodes.
+    :param precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"`` (CUDA only).
+    :param timeout: process-group timeout in seconds: a rank that waits longer on a peer fails.
+    """
+
+    def __init__(
+        self,
+        strategy: str | Strategy = "auto",
+        accelerator: str = "auto",
+        devices: int = 1,
+        num_nodes: int = 1,
+        precision: str | int = "32-true",
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if not isinstance(devices, int) or devices < 1:
+            raise ConfigurationError(f"devices={devices!r}: give a positive number of processes per node.")
+        if not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ConfigurationError(f"num_nodes={num_nodes!r}: give a positive number of nodes.")
+        self._config = dict(
+            strategy=strategy, accelerator=accelerator, devices=devices, num_nodes=num_nodes,
+            precision=precision, timeout=timeout,
+        )
+        self.accelerator = cluster_mod.resolve_accelerator(accelerator)
+        self.precision = normalize(precision)
+        self.devices, self.num_nodes, self.timeout = devices, num_nodes, float(timeout)
+        self._source = cluster_mod.launched_externally()
+        self._check_devices()
+        self.world_size_requested = self._expected_world_size()
+        self.strategy = self._resolve_strategy(strategy)
+        self._hooks = StrategyHooks(self.strategy)
+        self._environment_ready = False
+        self._models: list[torch.nn.Module] = []
+
+    # construction ----------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers rebuild the engine from its arguments; the plugin manager does not travel.
+        return {"config": self._config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state["config"])  # type: ignore[misc]
+
+    def _check_devices(self) -> None:
+        if self.accelerator == "cuda" and self._source is None:
+            available = torch.cuda.device_count()
+            if self.devices > available:
+                raise ConfigurationError(
+                    f"devices={self.devices} but this machine has {available} CUDA device(s). "
+                    f"Use devices<={available}, or accelerator='cpu' to run {self.devices} CPU processes."
+                )
+
+    def _expected_world_size(self) -> int:
+        if self._source is not None:
+            env = cluster_mod.detect(accelerator=self.accelerator, devices=self.devices,
+                                     num_nodes=self.num_nodes, timeout_s=self.timeout)
+            return env.world_size
+        return self.devices * self.num_nodes
+
+    def _resolve_strategy(self, strategy: str | Strategy) -> Strategy:
+        registry = get_registry()
+        if isinstance(strategy, Strategy):
+            info = self._info_for_instance(strategy)
+            if info is not None:
+                self._check(info.name)
+            return strategy
+        if not isinstance(strategy, str):
+            raise ConfigurationError(f"strategy={strategy!r}: give a registered name or a Strategy instance.")
+        name = strategy
+        if name == "auto":
+            name = os.environ.get(STRATEGY_ENV) or self._auto_name(registry)
+        info = self._check(name)
+        return info.create()
+
+    def _auto_name(self, registry: Any) -> str:
+        if self.world_size_requested == 1:
+            return "single_device"
+        if "ddp" in registry:
+            return "ddp"
+        raise ConfigurationError(
+            f"strategy='auto' with {self.world_size_requested} processes needs a multi-process strategy. "
+            "Install one: pip install stratagem-ddp (or stratagem-fsdp), or name a strategy."
+        )
+
+    def _check(self, name: str) -> Any:
+        return get_registry().check_request(
+            name, accelerator=self.accelerator, precision=self.precision, world_size=self.world_size_requested
+        )
+
+    @staticmethod
+    def _info_for_instance(strategy: Strategy) -> Any:
+        registry = get_registry()
+        if strategy.registered_name in registry:
+            return registry.get(strategy.registered_name)
+        target = f"{type(strategy).__module__}:{type(strategy).__qualname__}"
+        for info in registry:
+            if info.factory is type(strategy) or info.factory == target:
+                return info
+        return None
+
+    @property
+    def capabilities(self) -> Any:
+        info = self._info_for_instance(self.strategy)
+        return None if info is None else info.capabilities
+
+    # launching -------------------------------------------------------------------------------------
+    @property
+    def needs_launch(self) -> bool:
+        """True in the process the user started when more than one process is wanted and none exist yet."""
+        return self._source is None and self.world_size_requested > 1
+
+    def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
+        """Run ``fn(engine, *args)`` in every process and return rank 0's result.
+
+        With nothing launched yet and ``devices > 1``, starts the workers with torch's elastic agent (``fn``
+        and ``args`` must be picklable). Under torchrun, SLURM or ``stratagem run`` the processes exist
+        already and ``fn`` runs here. Without ``fn``, the script itself is re-run in the workers and this
+        process exits when they are done.
+        """
+        if self.needs_launch:
+            if self.num_nodes > 1:
+                raise ConfigurationError(
+                    "num_nodes > 1: start one launcher per node with torchrun or "
+                    "`stratagem run --nnodes N --node-rank R --rdzv-endpoint host:port script.py`."
+                )
+            if fn is None:
+                launcher.supervise_script(self.devices, self.accelerator)
+            results = launcher.launch_function(
+                _worker_main, (self._config, fn, args), nproc_per_node=self.devices, accelerator=self.accelerator
+            )
+            return results.get(0)
+        self.setup_environment()
+        return None if fn is None else fn(self, *args)
+
+    def setup_environment(self) -> None:
+        """Join the process group and select the device (done on first use otherwise)."""
+        if self._environment_ready:
+            return
+        if self.needs_launch:
+            raise ConfigurationError(
+                f"This Engine wants {self.world_size_requested} processes but runs in one. Call "
+                "engine.launch(fn) (or engine.launch() to re-run this script), or start it with torchrun or "
+                "`stratagem run --devices N script.py`."
+            )
+        launcher.install_worker_excepthook()
+        env = cluster_mod.detect(
+            accelerator=self.accelerator, devices=self.devices, num_nodes=self.num_nodes, timeout_s=self.timeout
+        )
+        if self._source is not None and env.local_world_size != self.devices and self.devices != 1:
+            warnings.warn(
+                f"devices={self.devices}, but the launcher started {env.local_world_size} processes per node; "
+                "using the launcher's count.", stacklevel=3,
+            )
+        self._hooks.setup_environment(env, self.precision)
+        self._environment_ready = True
+
+    # properties ------------------------------------------------------------------------------------
+    @property
+    def cluster(self) -> cluster_mod.ClusterEnvironment:
+        self.setup_environment()
+        return self.strategy.cluster
+
+    @property
+    def rank(self) -> int:
+        return self.cluster.rank
+
+    global_rank = rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.cluster.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self.cluster.node_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device if self._environment_ready else torch.device(
+            "cuda" if self.accelerator == "cuda" else "cpu"
+        )
+
+    # model -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def init_module(self, empty_init: bool = False) -> Iterator[None]:
+        """Build the model in here: on the device, in the parameter dtype, on the meta device if
+        ``empty_init`` and the strategy materialises it, with ``stratagem.wrap`` sharding submodules."""
+        self.setup_environment()
+        with self._hooks.model_init_context(empty_init), self._hooks.model_sharded_context():
+            yield
+
+    def setup(self, model: torch.nn.Module, *optimizers: Any) -> Any:
+        """Wrap the model and its optimizers; return ``model`` or ``(model, *optimizers)``."""
+        names = {id(p): _clean_name(n) for n, p in model.named_parameters()}
+        wrapped = self.setup_module(model)
+        if not optimizers:
+            return wrapped
+        for optimizer in optimizers:
+            if getattr(optimizer, "state", None):
+                if any(optimizer.state.values()):
+                    raise ConfigurationError(
+                        "Engine.setup() got an optimizer that has taken steps already; set up before training."
+                    )
+            if any(id(p) not in {id(q) for q in wrapped.parameters()}
+                   for group in optimizer.param_groups for p in group["params"]):
+                _rebind_optimizer(optimizer, names, wrapped)
+        return (wrapped, *self.setup_optimizers(wrapped, *optimizers))
+
+    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.setup_environment()
+        wrapped = self._hooks.wrap_model(model)
+        self._models.append(wrapped)
+        return wrapped
+
+    def setup_optimizers(self, model: torch.nn.Module, *optimizers: Any) -> list[StrategyOptimizer]:
+        if not optimizers:
+            raise ConfigurationError("setup_optimizers() needs at least one optimizer.")
+        prepared = self._hooks.setup_optimizers(model, list(optimizers))
+        return [StrategyOptimizer(opt, self._hooks, model) for opt in prepared]
+
+    def setup_dataloaders(self, *loaders: Any, use_distributed_sampler: bool = True, seed: int = 0) -> Any:
+        """Give each loader a ``DistributedSampler`` (unless it has a custom sampler); return them."""
+        from stratagem.data import distribute_loader
+
+        self.setup_environment()
+        kwargs = self._hooks.distributed_sampler_kwargs()
+        result = [
+            distribute_loader(loader, kwargs, seed=seed) if use_distributed_sampler else loader for loader in loaders
+        ]
+        return result[0] if len(result) == 1 else result
+
+    def forward_context(self) -> ContextManager[None]:
+        return self._hooks.forward_context()
+
+    autocast = forward_context
+
+    # optimization ----------------------------------------------------------------------------------
+    def _model_for(self, model: torch.nn.Module | None) -> torch.nn.Module:
+        if model is not None:
+            return model
+        if len(self._models) != 1:
+            raise ConfigurationError("Several models are set up: pass the one this call is for (model=...).")
+        return self._models[0]
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
+        self._hooks.backward(loss, self._model_for(model))
+
+    def clip_gradients(
+        self, model: torch.nn.Module, optimizer: Any, max_norm: float
+    ) -> torch.Tensor:
+        inner = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, StrategyOptimizer) else optimizer
+        return self._hooks.clip_gradients(model, inner, float(max_norm))
+
+    def no_sync(self, model: torch.nn.Module | None = None, enabled: bool = True) -> ContextManager[None]:
+        """Skip gradient synchronisation inside the block (accumulation steps) when ``enabled``."""
+        if not enabled:
+            return contextlib.nullcontext()
+        return self._hooks.no_sync(self._model_for(model))
+
+    # checkpoints -----------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any], format: str | None = None) -> None:
+        """Save ``state`` from every rank (``format``: ``full`` or ``sharded``; default: the strategy's)."""
+        self.setup_environment()
+        fmt = format or _default_format(self.strategy)
+        caps = self.capabilities
+        if caps is not None and fmt not in caps.checkpoint_formats:
+            alternatives = [i.name for i in get_registry() if fmt in i.capabilities.checkpoint_formats]
+            raise CapabilityError(self.strategy.name, "checkpoint format", fmt, alternatives)
+        self._hooks.save_checkpoint(os.fspath(path), dict(state), fmt)
+
+    def load(self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        """Fill ``state``'s modules, optimizers and stateful objects in place; return the other saved entries."""
+        self.setup_environment()
+        target = Path(path)
+        if not target.exists() and not target.with_name(target.name + ".stratagem-old").exists():
+            raise CheckpointError(target, "does not exist. Pass the path of a checkpoint file or directory.")
+        return self._hooks.load_checkpoint(os.fspath(path), dict(state), strict)
+
+    # collectives -----------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
+        self.setup_environment()
+        if not isinstance(tensor, torch.Tensor):
+            tensor = torch.tensor(tensor, dtype=torch.float64)
+        return self._hooks.all_reduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.setup_environment()
+        return self._hooks.all_gather(tensor)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self.setup_environment()
+        return self._hooks.broadcast(obj, src)
+
+    def barrier(self, name: str | None = None) -> None:
+        self.setup_environment()
+        self._hooks.barrier(name)
+
+    # utilities -------------------------------------------------------------------------------------
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        if not self._environment_ready or self.rank == 0:
+            print(*args, **kwargs)
+
+    def seed_everything(self, seed: int, offset_by_rank: bool = False) -> int:
+        rank = self.rank if self._environment_ready else 0
+        return seed_everything(seed, rank=rank, offset_by_rank=offset_by_rank)
+
+    def teardown(self) -> None:
+        """Leave the process group. Call once at the end; the engine cannot be used after."""
+        if self._environment_ready:
+            self._hooks.teardown()
+            self._environment_ready = False
+
+
+def _worker_main(config: dict[str, Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    engine = Engine(**config)
+    engine.setup_environment()
+    # No teardown on error: its barrier would wait for peers that the agent is about to stop anyway.
+    result = fn(engine, *args)
+    engine.teardown()
+    return result

@@ -1,0 +1,113 @@
+"""The errors stratagem raises. Each message says what was wrong and what to do about it."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class StratagemError(Exception):
+    """Base class of every stratagem error."""
+
+
+class UnknownStrategyError(StratagemError, KeyError):
+    """A strategy name that no installed plugin registers."""
+
+    def __init__(self, name: str, installed: Iterable[str], hint: str = "") -> None:
+        self.name = name
+        self.installed = sorted(installed)
+        close = difflib.get_close_matches(name, self.installed, n=1, cutoff=0.5)
+        self.closest = close[0] if close else None
+        message = f"Unknown strategy {name!r}."
+        if self.closest:
+            message += f" Did you mean {self.closest!r}?"
+        message += f" Installed strategies: {', '.join(self.installed) or '(none)'}."
+        if hint:
+            message += f" {hint}"
+        super().__init__(message)
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class PluginLoadError(StratagemError):
+    """A plugin's entry point could not be imported or its ``register_strategies`` failed."""
+
+    def __init__(self, entry_point: str, distribution: str, version: str, error: BaseException) -> None:
+        self.entry_point = entry_point
+        self.distribution = distribution
+        self.version = version
+        self.error = error
+        super().__init__(
+            f'Error importing plugin "{entry_point}" from {distribution} {version}: '
+            f"{type(error).__name__}: {error}. Its strategies are unavailable; the other plugins still load. "
+            f"Reinstall or upgrade {distribution}, or exclude it with STRATAGEM_PLUGINS."
+        )
+
+
+class StrategyConflictError(StratagemError):
+    """Two plugins registered the same strategy name."""
+
+    def __init__(self, name: str, first: str, second: str) -> None:
+        self.name = name
+        self.distributions = (first, second)
+        super().__init__(
+            f"Strategy {name!r} is registered by both {first} and {second}. Uninstall one of them, or "
+            f"restrict loading with STRATAGEM_PLUGINS."
+        )
+
+
+class CapabilityError(StratagemError, ValueError):
+    """A request (accelerator, precision, world size, checkpoint format) the strategy does not declare."""
+
+    def __init__(self, strategy: str, capability: str, requested: object, alternatives: Iterable[str]) -> None:
+        self.strategy = strategy
+        self.capability = capability
+        self.requested = requested
+        self.alternatives = sorted(alternatives)
+        alt = ", ".join(self.alternatives) if self.alternatives else "none installed"
+        super().__init__(
+            f"Strategy {strategy!r} does not support {capability} {requested!r}. "
+            f"Strategies that do: {alt}."
+        )
+
+
+class MissingDependencyError(StratagemError, ImportError):
+    """A strategy needs a package that is not installed."""
+
+    def __init__(self, strategy: str, requirements: Iterable[str]) -> None:
+        self.strategy = strategy
+        self.requirements = list(requirements)
+        quoted = " ".join(f"'{r}'" for r in self.requirements)
+        super().__init__(
+            f"Strategy {strategy!r} needs {', '.join(self.requirements)}, which is not installed. "
+            f"Install it with: pip install {quoted}"
+        )
+
+
+class HookImplementationError(StratagemError, TypeError):
+    """A plugin or strategy implements a hook in a way pluggy would accept but stratagem cannot honour."""
+
+
+class CheckpointError(StratagemError):
+    """A checkpoint could not be written or read. The previous checkpoint, if any, is untouched."""
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"Checkpoint {self.path}: {problem}")
+
+
+class ConfigurationError(StratagemError, ValueError):
+    """An option of the Engine, Trainer or a strategy has a value that cannot work."""
+
+
+class WorkerFailedError(StratagemError, RuntimeError):
+    """A worker process raised or died; the whole run was stopped."""
+
+    def __init__(self, rank: int | None, exitcode: int | None, detail: str) -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        self.detail = detail
+        who = f"rank {rank}" if rank is not None else "a worker"
+        super().__init__(f"Training failed: {who} exited with code {exitcode}.\n{detail}".rstrip())

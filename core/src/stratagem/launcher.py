@@ -1,0 +1,225 @@
+"""Starting worker processes with torch's elastic agent (``torch.distributed.launcher.api``).
+
+Two ways in, one agent:
+
+- :func:`launch_script` re-runs the user's command line in N workers with the rank environment set; the
+  launching process only supervises (what ``python train.py`` with ``devices=2`` does, and ``stratagem run``).
+- :func:`launch_function` runs a picklable function in N spawned workers and returns rank 0's result
+  (what ``Engine.launch(fn)`` does when nothing launched the processes already).
+
+Either way, a worker that raises or dies stops the others at once; the caller gets a
+:class:`~stratagem.errors.WorkerFailedError` naming the first rank that failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from stratagem.errors import WorkerFailedError
+
+#: Set in every worker stratagem starts, so that nothing in it launches again.
+WORKER_ENV = "STRATAGEM_WORKER"
+#: glibc keeps freed buffers above its dynamic mmap threshold in the heap; FSDP's all-gather buffers then
+#: pile up in RSS. A fixed threshold returns them to the OS (see benchmarks/memory.py for the measurement).
+CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environment(extra: Mapping[str, str]) -> Iterator[None]:
+    # The agent hands its own environment to the workers; set ours around the launch only.
+    saved = {key: os.environ.get(key) for key in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def worker_environment(accelerator: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {WORKER_ENV: "1", **(extra or {})}
+    if accelerator == "cpu":
+        for key, value in CPU_ALLOCATOR_ENV.items():
+            # The user's own setting wins.
+            if key not in os.environ:
+                env[key] = value
+    return env
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    # The agent logs every start and a table per failure; stratagem reports the failure itself, once.
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _config(
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    run_id: str | None,
+) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if nnodes > 1 and not rdzv_endpoint:
+        raise WorkerFailedError(None, None, "Several nodes need --rdzv-endpoint host:port, the same on every node.")
+    if nnodes == 1 and not rdzv_endpoint:
+        backend, endpoint, configs = "c10d", f"127.0.0.1:{free_port()}", {}
+    elif node_rank is not None:
+        # A fixed node rank is the static rendezvous: node 0 hosts the store at the endpoint.
+        backend, endpoint, configs = "static", rdzv_endpoint, {"rank": node_rank}
+    else:
+        backend, endpoint, configs = "c10d", rdzv_endpoint, {}
+    return LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        run_id=run_id or uuid.uuid4().hex,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint or "",
+        rdzv_configs=configs,
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        shutdown_timeout=5,
+    )
+
+
+def _describe(error: Any) -> WorkerFailedError:
+    rank, failure = error.get_first_failure()
+    exitcode = failure.exitcode
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            detail = f"killed by signal {signal.Signals(-exitcode).name}"
+            return WorkerFailedError(rank, exitcode, detail)
+    message = failure.message if isinstance(failure.message, str) else ""
+    if "To enable traceback" in message:  # the agent's placeholder when no error file was written
+        message = ""
+    data = failure.error_file_data or {}
+    stack = ""
+    if isinstance(data.get("message"), dict):
+        stack = data["message"].get("extraInfo", {}).get("py_callstack", "")
+    detail = (stack or message or "no traceback recorded (see the worker's output above)").rstrip()
+    return WorkerFailedError(rank, exitcode, detail)
+
+
+def _run(entrypoint: Callable | str, args: list[Any], env: Mapping[str, str], **config: Any) -> dict[int, Any]:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import launch_agent
+
+    launch_config = _config(**config)
+    with _environment(env), _quiet_agent():
+        try:
+            return launch_agent(launch_config, entrypoint, list(args))
+        except ChildFailedError as error:
+            raise _describe(error) from None
+
+
+def launch_function(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    nproc_per_node: int,
+    accelerator: str = "cpu",
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[int, Any]:
+    """Run ``fn(*args)`` in every worker; return ``{rank: result}`` of this node's workers."""
+    return _run(
+        fn,
+        list(args),
+        worker_environment(accelerator, env),
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        run_id=None,
+    )
+
+
+def current_command() -> list[str]:
+    """The command line that started this interpreter (``python script.py args``, ``python -m pkg``)."""
+    argv = list(getattr(sys, "orig_argv", []) or [sys.executable, *sys.argv])
+    return [sys.executable, *argv[1:]]
+
+
+def launch_script(
+    command: list[str],
+    *,
+    nproc_per_node: int,
+    accelerator: str = "cpu",
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Run ``command`` (an executable and its arguments) in every worker and wait for all of them."""
+    _run(
+        command[0],
+        command[1:],
+        worker_environment(accelerator, env),
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        run_id=None,
+    )
+
+
+def supervise_script(nproc_per_node: int, accelerator: str, env: Mapping[str, str] | None = None) -> None:
+    """Re-run this very command in ``nproc_per_node`` workers, then end this process with their status.
+
+    The launching process only supervises: the rest of the script ran in the workers.
+    """
+    try:
+        launch_script(current_command(), nproc_per_node=nproc_per_node, accelerator=accelerator, env=env)
+    except WorkerFailedError as error:
+        raise SystemExit(f"stratagem: {error}") from None
+    raise SystemExit(0)
+
+
+def install_worker_excepthook() -> None:
+    """In a worker running a script, record an uncaught exception where the agent reads it."""
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ or getattr(sys.excepthook, "_stratagem", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        with contextlib.suppress(Exception):
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            try:
+                raise value.with_traceback(tb)
+            except BaseException as exc:  # record_exception formats the exception being handled
+                ErrorHandler().record_exception(exc)
+        previous(kind, value, tb)
+
+    hook._stratagem = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -1,0 +1,24 @@
+"""The strategies that ship with the core, registered like any plugin's."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from stratagem.capabilities import Capabilities
+from stratagem.hookspecs import hookimpl
+
+
+@hookimpl
+def register_strategies(register: Callable[..., None]) -> None:
+    register(
+        "single_device",
+        "stratagem.strategies.single_device:SingleDeviceStrategy",
+        description="One process on one device: the reference every other strategy is compared with",
+        capabilities=Capabilities(
+            accelerators={"cpu", "cuda"},
+            precisions={"32-true", "bf16-mixed", "bf16-true", "16-mixed"},
+            checkpoint_formats={"full", "sharded"},
+            min_world_size=1,
+            max_world_size=1,
+        ),
+    )

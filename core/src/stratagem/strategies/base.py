@@ -1,0 +1,251 @@
+"""The base of every strategy: a pluggy plugin whose methods implement the hooks of :mod:`stratagem.hookspecs`.
+
+Every hook has a working single-process implementation here, so a subclass overrides only what differs.
+An override must carry ``@hookimpl``: pluggy finds implementations by their marker and would otherwise keep
+calling the base method without a word. :meth:`Strategy.__init_subclass__` refuses such a class when it is
+defined, and checks the override's arguments against the spec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, ContextManager
+
+import torch
+
+from stratagem import hookspecs
+from stratagem.cluster import ClusterEnvironment
+from stratagem.errors import HookImplementationError
+from stratagem.hookspecs import hookimpl
+from stratagem.precision import autocast, default_dtype, param_dtype
+
+
+def _spec_arguments() -> dict[str, tuple[str, ...]]:
+    specs = {}
+    for name in dir(hookspecs):
+        function = getattr(hookspecs, name)
+        if callable(function) and hasattr(function, f"{hookspecs.PROJECT_NAME}_spec"):
+            specs[name] = tuple(inspect.signature(function).parameters)
+    return specs
+
+
+HOOK_ARGUMENTS = _spec_arguments()
+_IMPL_ATTR = f"{hookspecs.PROJECT_NAME}_impl"
+
+
+def check_hook_overrides(cls: type) -> None:
+    """Refuse a class whose override of a hook would be ignored or called with the wrong arguments."""
+    for name, spec_args in HOOK_ARGUMENTS.items():
+        if name not in cls.__dict__:
+            continue
+        member = cls.__dict__[name]
+        function = getattr(member, "__func__", member)
+        if not hasattr(function, _IMPL_ATTR):
+            raise HookImplementationError(
+                f"{cls.__module__}.{cls.__qualname__}.{name} overrides the hook {name!r} without "
+                f"@stratagem.hookimpl, so pluggy would silently keep calling the inherited implementation. "
+                f"Decorate it with @hookimpl (from stratagem import hookimpl)."
+            )
+        params = list(inspect.signature(function).parameters.values())
+        names = [p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        extra = [n for n in names if n not in spec_args]
+        if extra:
+            raise HookImplementationError(
+                f"{cls.__module__}.{cls.__qualname__}.{name}{inspect.signature(function)} takes "
+                f"{extra}, which the hook spec {name}{tuple(spec_args)} does not offer. An implementation may "
+                f"take any subset of the spec's arguments, by the same names."
+            )
+
+
+class Strategy:
+    """One process on one device. Subclasses override hooks, each with ``@hookimpl``.
+
+    Besides the hooks, four plain methods convert state for checkpoints; a strategy whose modules or
+    optimizers keep state their own way (a ZeRO optimizer) overrides them:
+    :meth:`module_state_dict`, :meth:`optimizer_state_dict`, :meth:`load_module_state_dict`,
+    :meth:`load_optimizer_state_dict`.
+    """
+
+    #: The name the registry created this strategy under (empty for an instance built by hand).
+    registered_name: str = ""
+
+    def __init__(self) -> None:
+        self.cluster = ClusterEnvironment()
+        self.precision = "32-true"
+        self.scaler: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_hook_overrides(cls)
+
+    @property
+    def name(self) -> str:
+        return self.registered_name or type(self).__name__
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.cluster.device)
+
+    @property
+    def rank(self) -> int:
+        return self.cluster.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.cluster.rank == 0
+
+    # environment ----------------------------------------------------------------------------------
+    @hookimpl
+    def setup_environment(self, cluster: ClusterEnvironment, precision: str) -> None:
+        self.cluster = cluster
+        self.precision = precision
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if precision == "16-mixed":
+            self.scaler = torch.amp.GradScaler(self.device.type)
+
+    # model -----------------------------------------------------------------------------------------
+    @hookimpl
+    def model_init_context(self, empty_init: bool) -> ContextManager[None]:
+        stack = contextlib.ExitStack()
+        # Meta tensors cost nothing; wrap_model materialises them on the device and re-initialises them.
+        stack.enter_context(torch.device("meta") if empty_init else self.device)
+        stack.enter_context(default_dtype(param_dtype(self.precision)))
+        return stack
+
+    @hookimpl
+    def model_sharded_context(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    @hookimpl
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from stratagem.wrapping import materialize_meta
+
+        materialize_meta(model, self.device)
+        model = model.to(self.device)
+        dtype = param_dtype(self.precision)
+        return model.to(dtype) if dtype is not None else model
+
+    @hookimpl
+    def forward_context(self) -> ContextManager[None]:
+        return autocast(self.precision, self.device.type)
+
+    # optimization ----------------------------------------------------------------------------------
+    @hookimpl
+    def setup_optimizers(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
+        return optimizers
+
+    @hookimpl
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    @hookimpl
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    @hookimpl
+    def clip_gradients(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+    ) -> torch.Tensor:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        # Sharded parameters (DTensor) give a sharded norm; callers want the plain number.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    @hookimpl
+    def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    # data ------------------------------------------------------------------------------------------
+    @hookimpl
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.rank}
+
+    # checkpoint ------------------------------------------------------------------------------------
+    @hookimpl
+    def save_checkpoint(self, path: str, state: dict[str, Any], format: str) -> None:
+        from stratagem.checkpoint import _io
+
+        _io.save(self, path, state, format)
+
+    @hookimpl
+    def load_checkpoint(self, path: str, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+        from stratagem.checkpoint import _io
+
+        return _io.load(self, path, state, strict)
+
+    def module_state_dict(self, module: torch.nn.Module, *, full: bool) -> dict[str, Any]:
+        """The module's state: gathered plain tensors on rank 0 (``full``; other ranks may return ``{}``),
+        or this rank's shards as DTensors (sharded)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+    def optimizer_state_dict(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, full: bool
+    ) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, so it loads under any strategy."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
+        )
+
+    def load_module_state_dict(
+        self, module: torch.nn.Module, state_dict: dict[str, Any], *, full: bool, strict: bool
+    ) -> Any:
+        """Fill ``module`` from a state dict as :meth:`module_state_dict` returns it (``full``: on every rank)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        return set_model_state_dict(
+            module, state_dict, options=StateDictOptions(full_state_dict=full, strict=strict)
+        )
+
+    def load_optimizer_state_dict(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], *, full: bool
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(module, optimizer, state_dict, options=StateDictOptions(full_state_dict=full))
+
+    # collectives -----------------------------------------------------------------------------------
+    @hookimpl
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        _check_op(op)
+        return tensor.clone()
+
+    @hookimpl
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor.clone()]
+
+    @hookimpl
+    def broadcast(self, obj: Any, src: int) -> Any:
+        return obj
+
+    @hookimpl
+    def barrier(self, name: str | None) -> None:
+        return None
+
+    # teardown --------------------------------------------------------------------------------------
+    @hookimpl
+    def teardown(self) -> None:
+        return None
+
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def _check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"all_reduce(op={op!r}): use one of {', '.join(REDUCE_OPS)}.")

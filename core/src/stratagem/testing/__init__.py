@@ -1,0 +1,1 @@
+"""stratagem's pytest plugin and helpers for certifying strategies (the contract suite)."""

@@ -1,0 +1,71 @@
+"""Manual wrapping (``stratagem.wrap``) and materialisation of modules built on the meta device."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+M = TypeVar("M")
+
+_wrapper: contextvars.ContextVar[Callable[[object], object] | None] = contextvars.ContextVar(
+    "stratagem_wrapper", default=None
+)
+
+
+def wrap(module: M) -> M:
+    """Shard ``module`` now if called inside the strategy's ``model_sharded_context``; otherwise return it as is.
+
+    Use it in ``configure_model`` to choose by hand which submodules become their own shard units.
+    """
+    function = _wrapper.get()
+    return module if function is None else function(module)  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def wrapping_with(function: Callable[[object], object]) -> Iterator[None]:
+    """For strategies: inside this block, :func:`wrap` calls ``function(module)``."""
+    token = _wrapper.set(function)
+    try:
+        yield
+    finally:
+        _wrapper.reset(token)
+
+
+def has_meta_tensors(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def materialize_meta(module: torch.nn.Module, device: torch.device | str) -> None:
+    """Allocate meta parameters and buffers on ``device`` and initialise them with ``reset_parameters``.
+
+    Works on sharded modules too: ``to_empty`` allocates only the local shards. A submodule with meta tensors
+    but no ``reset_parameters`` cannot be initialised and is an error rather than silent garbage.
+    """
+    import torch
+
+    if not has_meta_tensors(module):
+        return
+    module.to_empty(device=device)
+    uninitialised = []
+    with torch.no_grad():
+        for name, sub in module.named_modules():
+            own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+            if not own:
+                continue
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            else:
+                uninitialised.append(name or type(sub).__name__)
+    if uninitialised:
+        from stratagem.errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"Modules {uninitialised} were built with empty_init=True (meta device) but have no "
+            "reset_parameters() to initialise them. Add reset_parameters(), or build them with empty_init=False."
+        )
