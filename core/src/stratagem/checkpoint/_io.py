@@ -52,6 +52,12 @@ def _agree(strategy: Any, path: Path, error: BaseException | None) -> None:
     raise CheckpointError(path, f"failed ({detail}). The previous checkpoint at this path is untouched.") from error
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _gather_per_rank(strategy: Any, parts: Parts) -> dict[str, Any]:
     plain = {}
     for key, value in parts.plain.items():
@@ -138,7 +144,7 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
             },
         }
         plain = _plain_state(strategy, parts)
-        dcp.save(tensors, checkpoint_id=str(tmp))
+        dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
         if strategy.is_global_zero:
             torch.save(plain, tmp / STATE_FILE)
             (tmp / METADATA_FILE).write_text(json.dumps(metadata(strategy, "sharded", parts), indent=2))
@@ -297,7 +303,12 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
             continue
         target["optimizers"][key] = strategy.optimizer_state_dict(owner_of(optimizer, parts.modules), optimizer, full=False)
     try:
-        dcp.load(target, checkpoint_id=str(path), planner=_safe_load_planner(allow_partial_load=not strict))
+        dcp.load(
+            target,
+            checkpoint_id=str(path),
+            planner=_safe_load_planner(allow_partial_load=not strict),
+            no_dist=not _distributed(),
+        )
     except Exception as error:
         raise CheckpointError(path, f"could not be read: {error}") from error
     for key, module in parts.modules.items():

@@ -69,6 +69,8 @@ class Strategy:
 
     #: The name the registry created this strategy under (empty for an instance built by hand).
     registered_name: str = ""
+    #: The format ``Engine.save`` writes when none is given (``"full"`` or ``"sharded"``).
+    checkpoint_format: str = "full"
 
     def __init__(self) -> None:
         self.cluster = ClusterEnvironment()
