@@ -6,8 +6,10 @@ error, and the previous checkpoint under the target path stays whole.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,14 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    # DCP warns on every single-process call that it assumes a single process; that is the intent here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _gather_per_rank(strategy: Any, parts: Parts) -> dict[str, Any]:
@@ -144,7 +154,8 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
             },
         }
         plain = _plain_state(strategy, parts)
-        dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
+        with _single_process_quiet():
+            dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
         if strategy.is_global_zero:
             torch.save(plain, tmp / STATE_FILE)
             (tmp / METADATA_FILE).write_text(json.dumps(metadata(strategy, "sharded", parts), indent=2))
@@ -303,12 +314,13 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
             continue
         target["optimizers"][key] = strategy.optimizer_state_dict(owner_of(optimizer, parts.modules), optimizer, full=False)
     try:
-        dcp.load(
+        with _single_process_quiet():
+            dcp.load(
             target,
-            checkpoint_id=str(path),
-            planner=_safe_load_planner(allow_partial_load=not strict),
-            no_dist=not _distributed(),
-        )
+                checkpoint_id=str(path),
+                planner=_safe_load_planner(allow_partial_load=not strict),
+                no_dist=not _distributed(),
+            )
     except Exception as error:
         raise CheckpointError(path, f"could not be read: {error}") from error
     for key, module in parts.modules.items():
