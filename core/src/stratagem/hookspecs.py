@@ -11,7 +11,8 @@ for readers and type checkers only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import pluggy
 

@@ -35,7 +35,6 @@ from stratagem.checkpoint._layout import (
 )
 from stratagem.errors import CheckpointError
 
-
 # -------------------------------------------------------------------------------------------------
 # agreement between ranks
 # -------------------------------------------------------------------------------------------------
@@ -316,7 +315,7 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
     try:
         with _single_process_quiet():
             dcp.load(
-            target,
+                target,
                 checkpoint_id=str(path),
                 planner=_safe_load_planner(allow_partial_load=not strict),
                 no_dist=not _distributed(),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from stratagem.capabilities import Capabilities
 from stratagem.hookspecs import hookimpl
