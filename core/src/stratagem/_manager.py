@@ -32,7 +32,9 @@ BUILTIN_PLUGIN = "stratagem.strategies._builtin"
 
 #: Hooks whose plain implementation belongs to the chosen strategy alone.
 STRATEGY_HOOKS = frozenset(
-    name for name in dir(hookspecs) if not name.startswith("_") and hasattr(getattr(hookspecs, name), "stratagem_spec")
+    name
+    for name in dir(hookspecs)
+    if not name.startswith("_") and hasattr(getattr(hookspecs, name), "stratagem_spec")
 ) - {"register_strategies"}
 
 
@@ -148,7 +150,9 @@ class StrategyHooks:
             name = getattr(addon, "__name__", None) or type(addon).__name__
             self._pm.register(addon, name=f"addon:{name}")
             _check_addon(self._pm, addon, name)
-        self._pm.register(strategy, name=f"strategy:{getattr(strategy, 'registered_name', type(strategy).__name__)}")
+        self._pm.register(
+            strategy, name=f"strategy:{getattr(strategy, 'registered_name', type(strategy).__name__)}"
+        )
         self._hook = self._pm.hook
 
     # environment ----------------------------------------------------------------------------------

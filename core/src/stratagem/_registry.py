@@ -122,9 +122,13 @@ class Registry:
             if not isinstance(factory, (str, type)):
                 raise TypeError(f"register({name!r}): factory must be a class or 'pkg.module:Class' string.")
             if isinstance(factory, str) and ":" not in factory:
-                raise ValueError(f"register({name!r}): factory string {factory!r} must look like 'pkg.module:Class'.")
+                raise ValueError(
+                    f"register({name!r}): factory string {factory!r} must look like 'pkg.module:Class'."
+                )
             if not description:
-                raise ValueError(f"register({name!r}): give a one-line description for `stratagem strategies`.")
+                raise ValueError(
+                    f"register({name!r}): give a one-line description for `stratagem strategies`."
+                )
             info = StrategyInfo(
                 name=name,
                 factory=factory,
@@ -163,9 +167,11 @@ class Registry:
         except KeyError:
             hint = ""
             if self.broken:
-                hint = "Plugins that failed to load: " + "; ".join(
-                    f"{b.entry_point} ({b.distribution})" for b in self.broken
-                ) + ". Run `stratagem strategies` for details."
+                hint = (
+                    "Plugins that failed to load: "
+                    + "; ".join(f"{b.entry_point} ({b.distribution})" for b in self.broken)
+                    + ". Run `stratagem strategies` for details."
+                )
             raise UnknownStrategyError(name, self.names(), hint) from None
 
     def check_request(
@@ -180,7 +186,10 @@ class Registry:
         """The strategy's info, after checking the request against its declared capabilities."""
         info = self.get(name)
         request = dict(
-            accelerator=accelerator, precision=precision, world_size=world_size, checkpoint_format=checkpoint_format
+            accelerator=accelerator,
+            precision=precision,
+            world_size=world_size,
+            checkpoint_format=checkpoint_format,
         )
         refusal = info.capabilities.refusal(**request)
         if refusal is not None:

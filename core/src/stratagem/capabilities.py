@@ -80,8 +80,14 @@ class Capabilities:
         """The entries of ``requires`` whose distribution is not installed."""
         return [r for r in self.requires if not _requirement_installed(r)]
 
-    def refusal(self, *, accelerator: str | None = None, precision: str | None = None,
-                world_size: int | None = None, checkpoint_format: str | None = None) -> tuple[str, object] | None:
+    def refusal(
+        self,
+        *,
+        accelerator: str | None = None,
+        precision: str | None = None,
+        world_size: int | None = None,
+        checkpoint_format: str | None = None,
+    ) -> tuple[str, object] | None:
         """The first capability that a request lacks, as ``(capability, requested value)``, or ``None``."""
         if accelerator is not None and accelerator not in self.accelerators:
             return "accelerator", accelerator

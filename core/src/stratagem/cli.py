@@ -11,7 +11,9 @@ from collections.abc import Callable, Sequence
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
 
-def command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+def command(
+    name: str,
+) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
     def decorate(function: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
         _COMMANDS[name] = function
         return function
@@ -30,10 +32,18 @@ def _strategy_rows(as_json: bool) -> tuple[list[dict], list[dict], list[dict]]:
     registry = get_registry()
     rows = [info.to_json() for info in registry]
     broken = [
-        {"entry_point": b.entry_point, "distribution": b.distribution, "version": b.version, "error": str(b.error)}
+        {
+            "entry_point": b.entry_point,
+            "distribution": b.distribution,
+            "version": b.version,
+            "error": str(b.error),
+        }
         for b in registry.broken
     ]
-    conflicts = [{"name": n, "distributions": list(c.distributions), "error": str(c)} for n, c in registry.conflicts.items()]
+    conflicts = [
+        {"name": n, "distributions": list(c.distributions), "error": str(c)}
+        for n, c in registry.conflicts.items()
+    ]
     return rows, broken, conflicts
 
 
@@ -88,7 +98,12 @@ _PARSER_EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []
 def _load_extensions() -> None:
     import importlib
 
-    for module in ("stratagem.cli_run", "stratagem.cli_checkpoint", "stratagem.cli_compare", "stratagem.cli_contract"):
+    for module in (
+        "stratagem.cli_run",
+        "stratagem.cli_checkpoint",
+        "stratagem.cli_compare",
+        "stratagem.cli_contract",
+    ):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as error:

@@ -64,9 +64,14 @@ def launched_externally(environ: Mapping[str, str] | None = None) -> str | None:
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         return "torchrun"
     # An interactive `srun --pty bash` has one task: treat it as a single process.
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1 and env.get("SLURM_JOB_NAME") not in (
-        "bash",
-        "interactive",
+    if (
+        "SLURM_PROCID" in env
+        and int(env.get("SLURM_NTASKS", "1")) > 1
+        and env.get("SLURM_JOB_NAME")
+        not in (
+            "bash",
+            "interactive",
+        )
     ):
         return "slurm"
     return None

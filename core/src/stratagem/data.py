@@ -51,7 +51,10 @@ def rebuild_loader(loader: DataLoader, sampler: Sampler) -> DataLoader:
 
 def set_epoch(loader: Any, epoch: int) -> None:
     """Tell the loader's sampler which epoch it is (shuffles differ per epoch, identically on every rank)."""
-    for holder in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+    for holder in (
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ):
         if holder is not None and hasattr(holder, "set_epoch"):
             holder.set_epoch(epoch)
 

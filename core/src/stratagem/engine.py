@@ -101,8 +101,12 @@ class Engine:
         if not isinstance(num_nodes, int) or num_nodes < 1:
             raise ConfigurationError(f"num_nodes={num_nodes!r}: give a positive number of nodes.")
         self._config = dict(
-            strategy=strategy, accelerator=accelerator, devices=devices, num_nodes=num_nodes,
-            precision=precision, timeout=timeout,
+            strategy=strategy,
+            accelerator=accelerator,
+            devices=devices,
+            num_nodes=num_nodes,
+            precision=precision,
+            timeout=timeout,
         )
         self.accelerator = cluster_mod.resolve_accelerator(accelerator)
         self.precision = normalize(precision)
@@ -134,8 +138,12 @@ class Engine:
 
     def _expected_world_size(self) -> int:
         if self._source is not None:
-            env = cluster_mod.detect(accelerator=self.accelerator, devices=self.devices,
-                                     num_nodes=self.num_nodes, timeout_s=self.timeout)
+            env = cluster_mod.detect(
+                accelerator=self.accelerator,
+                devices=self.devices,
+                num_nodes=self.num_nodes,
+                timeout_s=self.timeout,
+            )
             return env.world_size
         return self.devices * self.num_nodes
 
@@ -208,7 +216,10 @@ class Engine:
             if fn is None:
                 launcher.supervise_script(self.devices, self.accelerator)
             results = launcher.launch_function(
-                _worker_main, (self._config, fn, args), nproc_per_node=self.devices, accelerator=self.accelerator
+                _worker_main,
+                (self._config, fn, args),
+                nproc_per_node=self.devices,
+                accelerator=self.accelerator,
             )
             return results.get(0)
         self.setup_environment()
@@ -226,12 +237,16 @@ class Engine:
             )
         launcher.install_worker_excepthook()
         env = cluster_mod.detect(
-            accelerator=self.accelerator, devices=self.devices, num_nodes=self.num_nodes, timeout_s=self.timeout
+            accelerator=self.accelerator,
+            devices=self.devices,
+            num_nodes=self.num_nodes,
+            timeout_s=self.timeout,
         )
         if self._source is not None and env.local_world_size != self.devices and self.devices != 1:
             warnings.warn(
                 f"devices={self.devices}, but the launcher started {env.local_world_size} processes per node; "
-                "using the launcher's count.", stacklevel=3,
+                "using the launcher's count.",
+                stacklevel=3,
             )
         self._hooks.setup_environment(env, self.precision)
         self._environment_ready = True
@@ -266,8 +281,10 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        return self.strategy.device if self._environment_ready else torch.device(
-            "cuda" if self.accelerator == "cuda" else "cpu"
+        return (
+            self.strategy.device
+            if self._environment_ready
+            else torch.device("cuda" if self.accelerator == "cuda" else "cpu")
         )
 
     # model -----------------------------------------------------------------------------------------
@@ -286,13 +303,15 @@ class Engine:
         if not optimizers:
             return wrapped
         for optimizer in optimizers:
-            if getattr(optimizer, "state", None):
-                if any(optimizer.state.values()):
-                    raise ConfigurationError(
-                        "Engine.setup() got an optimizer that has taken steps already; set up before training."
-                    )
-            if any(id(p) not in {id(q) for q in wrapped.parameters()}
-                   for group in optimizer.param_groups for p in group["params"]):
+            if getattr(optimizer, "state", None) and any(optimizer.state.values()):
+                raise ConfigurationError(
+                    "Engine.setup() got an optimizer that has taken steps already; set up before training."
+                )
+            if any(
+                id(p) not in {id(q) for q in wrapped.parameters()}
+                for group in optimizer.param_groups
+                for p in group["params"]
+            ):
                 _rebind_optimizer(optimizer, names, wrapped)
         return (wrapped, *self.setup_optimizers(wrapped, *optimizers))
 
@@ -315,7 +334,8 @@ class Engine:
         self.setup_environment()
         kwargs = self._hooks.distributed_sampler_kwargs()
         result = [
-            distribute_loader(loader, kwargs, seed=seed) if use_distributed_sampler else loader for loader in loaders
+            distribute_loader(loader, kwargs, seed=seed) if use_distributed_sampler else loader
+            for loader in loaders
         ]
         return result[0] if len(result) == 1 else result
 
@@ -335,10 +355,12 @@ class Engine:
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
         self._hooks.backward(loss, self._model_for(model))
 
-    def clip_gradients(
-        self, model: torch.nn.Module, optimizer: Any, max_norm: float
-    ) -> torch.Tensor:
-        inner = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, StrategyOptimizer) else optimizer
+    def clip_gradients(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        inner = (
+            getattr(optimizer, "optimizer", optimizer)
+            if isinstance(optimizer, StrategyOptimizer)
+            else optimizer
+        )
         return self._hooks.clip_gradients(model, inner, float(max_norm))
 
     def no_sync(self, model: torch.nn.Module | None = None, enabled: bool = True) -> ContextManager[None]:
@@ -358,7 +380,9 @@ class Engine:
             raise CapabilityError(self.strategy.name, "checkpoint format", fmt, alternatives)
         self._hooks.save_checkpoint(os.fspath(path), dict(state), fmt)
 
-    def load(self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+    def load(
+        self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool = True
+    ) -> dict[str, Any]:
         """Fill ``state``'s modules, optimizers and stateful objects in place; return the other saved entries."""
         self.setup_environment()
         target = Path(path)

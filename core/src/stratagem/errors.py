@@ -60,15 +60,16 @@ class StrategyConflictError(StratagemError):
 class CapabilityError(StratagemError, ValueError):
     """A request (accelerator, precision, world size, checkpoint format) the strategy does not declare."""
 
-    def __init__(self, strategy: str, capability: str, requested: object, alternatives: Iterable[str]) -> None:
+    def __init__(
+        self, strategy: str, capability: str, requested: object, alternatives: Iterable[str]
+    ) -> None:
         self.strategy = strategy
         self.capability = capability
         self.requested = requested
         self.alternatives = sorted(alternatives)
         alt = ", ".join(self.alternatives) if self.alternatives else "none installed"
         super().__init__(
-            f"Strategy {strategy!r} does not support {capability} {requested!r}. "
-            f"Strategies that do: {alt}."
+            f"Strategy {strategy!r} does not support {capability} {requested!r}. Strategies that do: {alt}."
         )
 
 

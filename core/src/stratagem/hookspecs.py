@@ -142,9 +142,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> 
 
 
 @hookspec(firstresult=True)
-def clip_gradients(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
-) -> torch.Tensor:
+def clip_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
     """Clip the gradients to a total norm of ``max_norm``; return the total norm before clipping.
 
     Stops at the first non-``None`` result.

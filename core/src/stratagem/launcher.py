@@ -66,7 +66,9 @@ def worker_environment(accelerator: str, extra: Mapping[str, str] | None = None)
 @contextlib.contextmanager
 def _quiet_agent() -> Iterator[None]:
     # The agent logs every start and a table per failure; stratagem reports the failure itself, once.
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    loggers = [
+        logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")
+    ]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
@@ -87,7 +89,9 @@ def _config(
     from torch.distributed.launcher.api import LaunchConfig
 
     if nnodes > 1 and not rdzv_endpoint:
-        raise WorkerFailedError(None, None, "Several nodes need --rdzv-endpoint host:port, the same on every node.")
+        raise WorkerFailedError(
+            None, None, "Several nodes need --rdzv-endpoint host:port, the same on every node."
+        )
     if nnodes == 1 and not rdzv_endpoint:
         backend, endpoint, configs = "c10d", f"127.0.0.1:{free_port()}", {}
     elif node_rank is not None:
@@ -128,7 +132,9 @@ def _describe(error: Any) -> WorkerFailedError:
     return WorkerFailedError(rank, exitcode, detail)
 
 
-def _run(entrypoint: Callable | str, args: list[Any], env: Mapping[str, str], **config: Any) -> dict[int, Any]:
+def _run(
+    entrypoint: Callable | str, args: list[Any], env: Mapping[str, str], **config: Any
+) -> dict[int, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import launch_agent
 

@@ -12,9 +12,14 @@ if TYPE_CHECKING:
     import torch
 
 _ALIASES = {
-    "32": "32-true", "32-true": "32-true", "fp32": "32-true",
-    "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true",
-    "16": "16-mixed", "16-mixed": "16-mixed",
+    "32": "32-true",
+    "32-true": "32-true",
+    "fp32": "32-true",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16-true": "bf16-true",
+    "16": "16-mixed",
+    "16-mixed": "16-mixed",
 }
 
 

@@ -50,7 +50,9 @@ def _agree(strategy: Any, path: Path, error: BaseException | None) -> None:
     detail = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
     if isinstance(error, CheckpointError) and strategy.world_size == 1:
         raise error
-    raise CheckpointError(path, f"failed ({detail}). The previous checkpoint at this path is untouched.") from error
+    raise CheckpointError(
+        path, f"failed ({detail}). The previous checkpoint at this path is untouched."
+    ) from error
 
 
 def _distributed() -> bool:
@@ -121,7 +123,9 @@ def _save_full(strategy: Any, target: Path, parts: Parts) -> None:
             payload["stratagem"] = metadata(strategy, "full", parts)
             _atomic.remove_stale_temporaries(target)
             if target.is_dir():
-                raise CheckpointError(target, "is a directory; a full checkpoint is one file. Choose another path.")
+                raise CheckpointError(
+                    target, "is a directory; a full checkpoint is one file. Choose another path."
+                )
             with _atomic.atomic_file(target) as tmp:
                 torch.save(payload, tmp)
         except Exception as exc:
@@ -138,7 +142,9 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
         tmp = Path(strategy.broadcast(str(_atomic.temporary_sibling(target)), 0))
         if strategy.is_global_zero:
             if target.is_file():
-                raise CheckpointError(target, "is a file; a sharded checkpoint is a directory. Choose another path.")
+                raise CheckpointError(
+                    target, "is a file; a sharded checkpoint is a directory. Choose another path."
+                )
             _atomic.remove_stale_temporaries(target)
             tmp.mkdir(parents=True)
     except Exception as exc:
@@ -206,11 +212,20 @@ def load(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -
 
 def _expected_shapes(strategy: Any, module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     # A DTensor's shape is the global one, so the sharded state dict gives full shapes without gathering.
-    return {k: tuple(v.shape) for k, v in strategy.module_state_dict(module, full=False).items() if hasattr(v, "shape")}
+    return {
+        k: tuple(v.shape)
+        for k, v in strategy.module_state_dict(module, full=False).items()
+        if hasattr(v, "shape")
+    }
 
 
 def _reconcile(
-    strategy: Any, key: str, module: torch.nn.Module, saved: dict[str, tuple[int, ...]], strict: bool, path: Path
+    strategy: Any,
+    key: str,
+    module: torch.nn.Module,
+    saved: dict[str, tuple[int, ...]],
+    strict: bool,
+    path: Path,
 ) -> set[str]:
     """Check saved keys and shapes against the model; return the saved keys to drop (``strict=False``)."""
     missing, unexpected, mismatched = describe_mismatch(_expected_shapes(strategy, module), saved)
@@ -220,20 +235,29 @@ def _reconcile(
     if strict:
         raise CheckpointError(path, message)
     if strategy.is_global_zero:
-        warnings.warn(f"Checkpoint {path}: loaded what fits; {message.splitlines()[0]}\n" + "\n".join(
-            message.splitlines()[1:-1]), stacklevel=4)
+        warnings.warn(
+            f"Checkpoint {path}: loaded what fits; {message.splitlines()[0]}\n"
+            + "\n".join(message.splitlines()[1:-1]),
+            stacklevel=4,
+        )
     return set(unexpected) | {name for name, _, _ in mismatched}
 
 
-def _restore_plain(strategy: Any, parts: Parts, saved_state: dict[str, Any], strict: bool, path: Path) -> dict[str, Any]:
+def _restore_plain(
+    strategy: Any, parts: Parts, saved_state: dict[str, Any], strict: bool, path: Path
+) -> dict[str, Any]:
     for key, obj in parts.stateful.items():
         if key not in saved_state:
             if strict:
-                raise CheckpointError(path, f"has no state for {key!r}; pass strict=False to keep its current state.")
+                raise CheckpointError(
+                    path, f"has no state for {key!r}; pass strict=False to keep its current state."
+                )
             continue
         obj.load_state_dict(saved_state[key])
     return {
-        key: unpack_per_rank(value, strategy.rank) for key, value in saved_state.items() if key not in parts.stateful
+        key: unpack_per_rank(value, strategy.rank)
+        for key, value in saved_state.items()
+        if key not in parts.stateful
     }
 
 
@@ -253,7 +277,9 @@ def _load_full(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[st
             if strict:
                 raise CheckpointError(path, f"has no optimizer {key!r}; it holds {sorted(optimizers)}.")
             continue
-        strategy.load_optimizer_state_dict(owner_of(optimizer, parts.modules), optimizer, optimizers[key], full=True)
+        strategy.load_optimizer_state_dict(
+            owner_of(optimizer, parts.modules), optimizer, optimizers[key], full=True
+        )
     return _restore_plain(strategy, parts, payload.get("state", {}), strict, path)
 
 
@@ -298,11 +324,13 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
     try:
         shapes = saved_tensor_shapes(path)
     except Exception as error:
-        raise CheckpointError(path, f"its torch.distributed.checkpoint metadata is unreadable: {error}") from error
+        raise CheckpointError(
+            path, f"its torch.distributed.checkpoint metadata is unreadable: {error}"
+        ) from error
     target: dict[str, Any] = {"model": {}, "optimizers": {}}
     for key, module in parts.modules.items():
         prefix = f"model.{key}."
-        saved = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
+        saved = {k[len(prefix) :]: v for k, v in shapes.items() if k.startswith(prefix)}
         if not saved:
             raise CheckpointError(path, f"has no module {key!r}.")
         drop = _reconcile(strategy, key, module, saved, strict, path)
@@ -311,7 +339,9 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
     for key, optimizer in parts.optimizers.items():
         if not any(k.startswith(f"optimizers.{key}.") for k in shapes) and not strict:
             continue
-        target["optimizers"][key] = strategy.optimizer_state_dict(owner_of(optimizer, parts.modules), optimizer, full=False)
+        target["optimizers"][key] = strategy.optimizer_state_dict(
+            owner_of(optimizer, parts.modules), optimizer, full=False
+        )
     try:
         with _single_process_quiet():
             dcp.load(

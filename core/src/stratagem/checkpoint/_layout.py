@@ -86,7 +86,18 @@ def owner_of(optimizer: Any, modules: dict[str, torch.nn.Module]) -> torch.nn.Mo
     )
 
 
-_ALLOWED_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+_ALLOWED_LEAVES = (
+    torch.Tensor,
+    int,
+    float,
+    bool,
+    str,
+    bytes,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
 
 
 def check_plain(value: Any, where: str) -> None:
@@ -100,7 +111,9 @@ def check_plain(value: Any, where: str) -> None:
     if isinstance(value, dict):
         for k, item in value.items():
             if not isinstance(k, (str, int)):
-                raise CheckpointError("(state)", f"{where} has a key {k!r} of type {type(k).__name__}; use str or int")
+                raise CheckpointError(
+                    "(state)", f"{where} has a key {k!r} of type {type(k).__name__}; use str or int"
+                )
             check_plain(item, f"{where}[{k!r}]")
         return
     raise CheckpointError(
@@ -175,11 +188,15 @@ def detect_format(path: Path) -> str:
     raise CheckpointError(path, "does not exist. Pass the path of a checkpoint file or directory.")
 
 
-def describe_mismatch(expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> tuple[list, list, list]:
+def describe_mismatch(
+    expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]
+) -> tuple[list, list, list]:
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     mismatched = sorted(
-        (k, saved[k], expected[k]) for k in set(expected) & set(saved) if tuple(saved[k]) != tuple(expected[k])
+        (k, saved[k], expected[k])
+        for k in set(expected) & set(saved)
+        if tuple(saved[k]) != tuple(expected[k])
     )
     return missing, unexpected, mismatched
 

@@ -215,11 +215,18 @@ class Strategy:
         )
 
     def load_optimizer_state_dict(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], *, full: bool
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state_dict: dict[str, Any],
+        *,
+        full: bool,
     ) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(module, optimizer, state_dict, options=StateDictOptions(full_state_dict=full))
+        set_optimizer_state_dict(
+            module, optimizer, state_dict, options=StateDictOptions(full_state_dict=full)
+        )
 
     # collectives -----------------------------------------------------------------------------------
     @hookimpl
