@@ -1,0 +1,56 @@
+"""The `stratagem` command as a user runs it: a separate process, with whatever is installed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import importlib_metadata
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stratagem.cli", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def test_strategies_json_lists_every_installed_plugin():
+    result = run("strategies", "--json")
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    plugins = {row["plugin"] for row in listing["strategies"]} | {
+        b["entry_point"].split(" = ")[0] for b in listing["broken"]
+    }
+    installed = {ep.name for ep in importlib_metadata.entry_points(group="stratagem")}
+    assert installed <= plugins, f"entry points without strategies or errors: {installed - plugins}"
+    single = next(row for row in listing["strategies"] if row["name"] == "single_device")
+    assert single["distribution"] == "stratagem" and single["capabilities"]["world_sizes"] == [1, 1]
+    assert listing["conflicts"] == []
+
+
+def test_strategies_does_not_import_torch():
+    code = (
+        "import sys, io, contextlib\n"
+        "from stratagem.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['strategies'])\n"
+        "heavy = [m for m in ('torch', 'deepspeed', 'numpy') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_strategies_text_shows_capabilities():
+    result = run("strategies")
+    assert result.returncode == 0
+    assert "single_device" in result.stdout and "checkpoints full,sharded" in result.stdout
+
+
+def test_plugin_allow_list_from_environment():
+    import os
+
+    env = {**os.environ, "STRATAGEM_PLUGINS": ""}
+    listing = json.loads(run("strategies", "--json", env=env).stdout)
+    assert [row["name"] for row in listing["strategies"]] == ["single_device"]

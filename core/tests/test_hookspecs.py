@@ -1,0 +1,81 @@
+"""Every hook is typed, documented in code and in docs/hooks.md, and overridable only with its marker."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from stratagem import hookimpl, hookspecs
+from stratagem.errors import HookImplementationError
+from stratagem.strategies import Strategy
+
+HOOKS = sorted(
+    name for name, value in vars(hookspecs).items() if callable(value) and hasattr(value, "stratagem_spec")
+)
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
+DESIGN_TABLE = {
+    "register_strategies", "setup_environment", "model_init_context", "model_sharded_context", "wrap_model",
+    "forward_context", "setup_optimizers", "backward", "optimizer_step", "clip_gradients", "no_sync",
+    "distributed_sampler_kwargs", "save_checkpoint", "load_checkpoint", "all_reduce", "all_gather", "broadcast",
+    "barrier", "teardown",
+}
+
+
+def test_every_design_hook_exists():
+    assert set(HOOKS) == DESIGN_TABLE
+
+
+@pytest.mark.parametrize("name", HOOKS)
+def test_hook_has_summary_params_and_result_note(name):
+    spec = getattr(hookspecs, name)
+    doc = inspect.getdoc(spec)
+    assert doc and doc.splitlines()[0].endswith("."), f"{name}: one-line summary"
+    for param in inspect.signature(spec).parameters:
+        assert f":param {param}:" in doc, f"{name}: no :param {param}:"
+        assert inspect.signature(spec).parameters[param].annotation is not inspect.Parameter.empty
+    firstresult = spec.stratagem_spec.get("firstresult", False)
+    assert ("first non-``None`` result" in doc) == firstresult, f"{name}: firstresult note"
+
+
+@pytest.mark.parametrize("name", HOOKS)
+def test_hook_is_documented_in_reference(name):
+    text = DOCS.read_text()
+    heading = re.search(rf"^### `{name}\((.*?)\)`", text, re.MULTILINE)
+    assert heading, f"docs/hooks.md has no section for {name}"
+    documented = [a.strip().split(":")[0] for a in heading.group(1).split(",") if a.strip()]
+    assert documented == list(inspect.signature(getattr(hookspecs, name)).parameters)
+
+
+def test_override_without_marker_is_refused_at_class_definition():
+    with pytest.raises(HookImplementationError) as caught:
+
+        class Forgetful(Strategy):
+            def wrap_model(self, model):
+                return model
+
+    message = str(caught.value)
+    assert "Forgetful.wrap_model" in message and "without @stratagem.hookimpl" in message
+
+
+def test_override_with_unknown_argument_is_refused():
+    with pytest.raises(HookImplementationError, match=r"takes \['device'\]"):
+
+        class Confused(Strategy):
+            @hookimpl
+            def wrap_model(self, model, device):
+                return model
+
+
+def test_override_with_fewer_arguments_is_accepted_and_called():
+    from stratagem._manager import StrategyHooks
+
+    class Lean(Strategy):
+        @hookimpl
+        def setup_optimizers(self, optimizers):
+            return optimizers[::-1]
+
+    hooks = StrategyHooks(Lean(), addons=[])
+    assert hooks.setup_optimizers(model=None, optimizers=[1, 2]) == [2, 1]
