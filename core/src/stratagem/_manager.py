@@ -130,6 +130,11 @@ def _cached(refresh: bool = False) -> tuple[Registry, list[types.ModuleType]]:
         return _cache[key]
 
 
+def installed_plugins() -> list[types.ModuleType]:
+    """The plugin modules that loaded (the add-ons every StrategyHooks registers by default)."""
+    return list(_cached()[1])
+
+
 def _check_addon(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
     for hook_name in STRATEGY_HOOKS:
         for impl in getattr(pm.hook, hook_name).get_hookimpls():

@@ -13,7 +13,7 @@ import torch
 
 from stratagem import cluster as cluster_mod
 from stratagem import launcher
-from stratagem._manager import StrategyHooks, get_registry
+from stratagem._manager import StrategyHooks, get_registry, installed_plugins
 from stratagem.errors import CapabilityError, CheckpointError, ConfigurationError
 from stratagem.precision import normalize
 from stratagem.seed import seed_everything
@@ -85,6 +85,8 @@ class Engine:
     :param num_nodes: nodes.
     :param precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"`` (CUDA only).
     :param timeout: process-group timeout in seconds: a rank that waits longer on a peer fails.
+    :param addons: add-on plugins (``@hookimpl(wrapper=True)`` around strategy operations) for this engine
+        only, registered after the installed ones. They travel to launched workers, so they must pickle.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class Engine:
         num_nodes: int = 1,
         precision: str | int = "32-true",
         timeout: float = DEFAULT_TIMEOUT_S,
+        addons: list[object] | tuple[object, ...] = (),
     ) -> None:
         if not isinstance(devices, int) or devices < 1:
             raise ConfigurationError(f"devices={devices!r}: give a positive number of processes per node.")
@@ -107,6 +110,7 @@ class Engine:
             num_nodes=num_nodes,
             precision=precision,
             timeout=timeout,
+            addons=tuple(addons),
         )
         self.accelerator = cluster_mod.resolve_accelerator(accelerator)
         self.precision = normalize(precision)
@@ -115,7 +119,7 @@ class Engine:
         self._check_devices()
         self.world_size_requested = self._expected_world_size()
         self.strategy = self._resolve_strategy(strategy)
-        self._hooks = StrategyHooks(self.strategy)
+        self._hooks = StrategyHooks(self.strategy, addons=[*installed_plugins(), *addons] if addons else None)
         self._environment_ready = False
         self._models: list[torch.nn.Module] = []
 
