@@ -1,13 +1,21 @@
 """Atomic replacement of a checkpoint file or directory: write beside it, fsync, then rename.
 
 A crash at any moment leaves either the previous checkpoint or the new one, never a mixture.
+
+Files are replaced by one ``rename``. Directories are swapped with Linux's ``renameat2(RENAME_EXCHANGE)``
+where the kernel and file system offer it (one atomic step); elsewhere the previous directory is first
+renamed aside and :func:`recover` puts it back if a crash falls between the two renames.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import glob
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +23,16 @@ from pathlib import Path
 OLD_SUFFIX = ".stratagem-old"
 TMP_MARK = ".stratagem-tmp-"
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
 
 def temporary_sibling(path: Path) -> Path:
     return path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:10]}")
+
+
+def old_sibling(path: Path) -> Path:
+    return path.with_name(path.name + OLD_SUFFIX)
 
 
 def fsync_path(path: Path) -> None:
@@ -36,6 +51,15 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(current))
 
 
+def remove(path: Path) -> None:
+    """Remove a file, link or directory tree if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary sibling of ``path``; on success it replaces ``path`` atomically."""
@@ -51,29 +75,69 @@ def atomic_file(path: Path) -> Iterator[Path]:
             tmp.unlink()
 
 
+def _libc_renameat2() -> object | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # glibc before 2.28, musl
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_RENAMEAT2 = _libc_renameat2()
+
+
+def exchange(first: Path, second: Path) -> bool:
+    """Swap two existing paths in one atomic step; False where the system cannot (then nothing changed)."""
+    if _RENAMEAT2 is None:
+        return False
+    result = _RENAMEAT2(  # type: ignore[operator]
+        _AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE
+    )
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"renameat2(RENAME_EXCHANGE) of {first} and {second}: {os.strerror(code)}")
+
+
 def publish_directory(tmp: Path, path: Path) -> None:
     """Put the finished directory ``tmp`` in place of ``path``.
 
-    A file can be replaced by one rename; a directory cannot, so the previous one is first renamed aside to
-    ``<name>.stratagem-old`` and removed after. A crash between the two renames leaves the previous checkpoint
-    whole under that name, and :func:`recover` puts it back.
+    With an atomic exchange, ``tmp`` then holds the previous checkpoint and is removed; a crash before the
+    removal leaves a stale temporary that the next save deletes. Without it, the previous directory is
+    renamed aside to ``<name>.stratagem-old`` first: a crash between the two renames leaves it whole under
+    that name, and :func:`recover` (run by every load and save) puts it back.
     """
     fsync_tree(tmp)
-    old = path.with_name(path.name + OLD_SUFFIX)
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    recover(path)
+    if path.is_dir() and not path.is_symlink() and exchange(tmp, path):
+        fsync_path(path.parent)
+        remove(tmp)
+        return
+    old = old_sibling(path)
+    remove(old)
     if path.exists() or path.is_symlink():
         os.replace(path, old)
-    os.replace(tmp, path)
+        fsync_path(path.parent)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        recover(path)
+        raise
     fsync_path(path.parent)
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    remove(old)
 
 
 def recover(path: Path) -> Path:
     """Undo a directory swap that a crash interrupted; return the path to read."""
-    old = path.with_name(path.name + OLD_SUFFIX)
-    if not path.exists() and old.exists():
+    old = old_sibling(path)
+    if not path.exists() and not path.is_symlink() and old.exists():
+        # Several ranks may race here: whoever loses finds ``old`` gone, which is the same outcome.
         with contextlib.suppress(FileNotFoundError):
             os.replace(old, path)
     return path
@@ -83,5 +147,5 @@ def remove_stale_temporaries(path: Path) -> None:
     """Remove the temporaries that crashed saves of ``path`` left behind."""
     if not path.parent.is_dir():
         return
-    for sibling in path.parent.glob(f"{path.name}{TMP_MARK}*"):
-        shutil.rmtree(sibling, ignore_errors=True) if sibling.is_dir() else sibling.unlink(missing_ok=True)
+    for sibling in path.parent.glob(f"{glob.escape(path.name)}{TMP_MARK}*"):
+        remove(sibling)

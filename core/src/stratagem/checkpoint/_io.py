@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic
+from stratagem.checkpoint import _atomic, _dcp
 from stratagem.checkpoint._layout import (
     METADATA_FILE,
     STATE_FILE,
@@ -41,18 +41,39 @@ from stratagem.errors import CheckpointError
 
 
 def _agree(strategy: Any, path: Path, error: BaseException | None) -> None:
-    """Raise the same CheckpointError on every rank if any rank failed."""
+    """Raise the same CheckpointError on every rank if any rank failed, naming each failing rank's error.
+
+    Every rank must call this at the same point: it is a collective.
+    """
     failed = strategy.all_reduce(torch.tensor([1.0 if error is not None else 0.0]), "max")
     if float(failed[0]) == 0.0:
         return
-    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if strategy.world_size == 1:
+        assert error is not None
+        if isinstance(error, CheckpointError) and error.path == str(path):
+            raise error
+        raise CheckpointError(
+            path, f"failed: {_describe(error)}. The previous checkpoint at this path is untouched."
+        ) from error
+    mine = None if error is None else _describe(error)
     messages = [strategy.broadcast(mine, src) for src in range(strategy.world_size)]
     detail = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
-    if isinstance(error, CheckpointError) and strategy.world_size == 1:
-        raise error
     raise CheckpointError(
         path, f"failed ({detail}). The previous checkpoint at this path is untouched."
     ) from error
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _attempt(function: Any, *args: Any) -> tuple[Any, BaseException | None]:
+    try:
+        return function(*args), None
+    except Exception as exc:  # reported on every rank by _agree
+        return None, exc
 
 
 def _distributed() -> bool:
@@ -69,27 +90,52 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _gather_per_rank(strategy: Any, parts: Parts) -> dict[str, Any]:
-    plain = {}
-    for key, value in parts.plain.items():
-        if isinstance(value, PerRank):
-            gathered = [strategy.broadcast(value.value, src) for src in range(strategy.world_size)]
-            plain[key] = pack_per_rank(value, gathered)
-        else:
-            plain[key] = value
-    return plain
-
-
-def _plain_state(strategy: Any, parts: Parts) -> dict[str, Any]:
+def _local_state(parts: Parts) -> dict[str, Any]:
+    """The stateful objects' state dicts and the plain values, checked; no collective runs here."""
     state = {key: obj.state_dict() for key, obj in parts.stateful.items()}
-    state.update(_gather_per_rank(strategy, parts))
-    check_plain(state, "state")
+    state.update(parts.plain)
+    for key, value in state.items():
+        check_plain(value.value if isinstance(value, PerRank) else value, f"state[{key!r}]")
     return state
+
+
+def _gather_per_rank(strategy: Any, state: dict[str, Any]) -> dict[str, Any]:
+    gathered = {}
+    for key, value in state.items():
+        if isinstance(value, PerRank):
+            values = [strategy.broadcast(value.value, src) for src in range(strategy.world_size)]
+            gathered[key] = pack_per_rank(value, values)
+        else:
+            gathered[key] = value
+    return gathered
+
+
+def _converted(strategy: Any, parts: Parts, full: bool) -> dict[str, Any]:
+    return {
+        "model": {k: strategy.module_state_dict(m, full=full) for k, m in parts.modules.items()},
+        "optimizers": {
+            k: strategy.optimizer_state_dict(owner_of(o, parts.modules), o, full=full)
+            for k, o in parts.optimizers.items()
+        },
+    }
+
+
+def _prepare_target(target: Path, fmt: str) -> None:
+    """Rank 0, before writing: refuse a target of the other kind, finish an interrupted swap, clean up."""
+    if fmt == "full" and target.is_dir():
+        raise CheckpointError(target, "is a directory; a full checkpoint is one file. Choose another path.")
+    if fmt == "sharded" and target.is_file():
+        raise CheckpointError(target, "is a file; a sharded checkpoint is a directory. Choose another path.")
+    _atomic.recover(target)
+    _atomic.remove_stale_temporaries(target)
 
 
 # -------------------------------------------------------------------------------------------------
 # save
 # -------------------------------------------------------------------------------------------------
+# Each save runs in phases separated by _agree: local work first (so that a rank failing there does not
+# leave its peers inside a collective), then the strategy's conversions (which may be collectives), then
+# the writes. Nothing reaches the target path until every rank has succeeded.
 
 
 def save(strategy: Any, path: str | Path, state: dict[str, Any], fmt: str) -> None:
@@ -104,82 +150,74 @@ def save(strategy: Any, path: str | Path, state: dict[str, Any], fmt: str) -> No
 
 
 def _save_full(strategy: Any, target: Path, parts: Parts) -> None:
-    error: BaseException | None = None
-    payload: dict[str, Any] = {}
-    try:
-        payload = {
-            "model": {k: strategy.module_state_dict(m, full=True) for k, m in parts.modules.items()},
-            "optimizers": {
-                k: strategy.optimizer_state_dict(owner_of(o, parts.modules), o, full=True)
-                for k, o in parts.optimizers.items()
-            },
-            "state": _plain_state(strategy, parts),
-        }
-    except Exception as exc:  # reported on every rank by _agree
-        error = exc
+    local, error = _attempt(_local_state, parts)
+    if error is None and strategy.is_global_zero:
+        _, error = _attempt(_prepare_target, target, "full")
     _agree(strategy, target, error)
-    if strategy.is_global_zero:
-        try:
+
+    def convert() -> dict[str, Any]:
+        payload = _converted(strategy, parts, full=True)
+        payload["state"] = _gather_per_rank(strategy, local)
+        if strategy.is_global_zero:
+            check_plain(payload["model"], "model", whole=True)
+            check_plain(payload["optimizers"], "optimizers", whole=True)
             payload["stratagem"] = metadata(strategy, "full", parts)
-            _atomic.remove_stale_temporaries(target)
-            if target.is_dir():
-                raise CheckpointError(
-                    target, "is a directory; a full checkpoint is one file. Choose another path."
-                )
-            with _atomic.atomic_file(target) as tmp:
-                torch.save(payload, tmp)
-        except Exception as exc:
-            error = exc
+        return payload
+
+    payload, error = _attempt(convert)
+    _agree(strategy, target, error)
+
+    def write() -> None:
+        with _atomic.atomic_file(target) as tmp:
+            torch.save(payload, tmp)
+
+    if strategy.is_global_zero:
+        _, error = _attempt(write)
     _agree(strategy, target, error)
 
 
 def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
     import torch.distributed.checkpoint as dcp
 
-    error: BaseException | None = None
-    tmp = None
-    try:
-        tmp = Path(strategy.broadcast(str(_atomic.temporary_sibling(target)), 0))
-        if strategy.is_global_zero:
-            if target.is_file():
-                raise CheckpointError(
-                    target, "is a file; a sharded checkpoint is a directory. Choose another path."
-                )
-            _atomic.remove_stale_temporaries(target)
-            tmp.mkdir(parents=True)
-    except Exception as exc:
-        error = exc
-    _agree(strategy, target, error)
-    try:
-        tensors = {
-            "model": {k: strategy.module_state_dict(m, full=False) for k, m in parts.modules.items()},
-            "optimizers": {
-                k: strategy.optimizer_state_dict(owner_of(o, parts.modules), o, full=False)
-                for k, o in parts.optimizers.items()
-            },
-        }
-        plain = _plain_state(strategy, parts)
-        with _single_process_quiet():
-            dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
-        if strategy.is_global_zero:
-            torch.save(plain, tmp / STATE_FILE)
-            (tmp / METADATA_FILE).write_text(json.dumps(metadata(strategy, "sharded", parts), indent=2))
-    except Exception as exc:
-        error = exc
-    try:
-        _agree(strategy, target, error)
-    except CheckpointError:
-        if strategy.is_global_zero and tmp is not None:
-            import shutil
+    tmp = Path(strategy.broadcast(str(_atomic.temporary_sibling(target)), 0))
+    local, error = _attempt(_local_state, parts)
+    if error is None and strategy.is_global_zero:
 
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if strategy.is_global_zero:
-        try:
-            _atomic.publish_directory(tmp, target)
-        except Exception as exc:
-            error = exc
+        def make_directory() -> None:
+            _prepare_target(target, "sharded")
+            tmp.mkdir(parents=True)
+
+        _, error = _attempt(make_directory)
     _agree(strategy, target, error)
+    try:
+        tensors, error = _attempt(_converted, strategy, parts, False)
+        if error is None:
+            _, error = _attempt(check_plain, tensors, "sharded state")
+        if error is None:
+            plain, error = _attempt(_gather_per_rank, strategy, local)
+        _agree(strategy, target, error)
+
+        def write_shards() -> None:
+            # DCP runs its own agreement inside save and raises on every rank if any rank failed.
+            with _single_process_quiet():
+                dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
+
+        _, error = _attempt(write_shards)
+        _agree(strategy, target, error)
+
+        def write_rest() -> None:
+            torch.save(plain, tmp / STATE_FILE)
+            meta = metadata(strategy, "sharded", parts)
+            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+            _atomic.publish_directory(tmp, target)
+
+        if strategy.is_global_zero:
+            _, error = _attempt(write_rest)
+        _agree(strategy, target, error)
+    except BaseException:
+        if strategy.is_global_zero:
+            _atomic.remove(tmp)
+        raise
 
 
 # -------------------------------------------------------------------------------------------------
@@ -253,7 +291,7 @@ def _restore_plain(
                     path, f"has no state for {key!r}; pass strict=False to keep its current state."
                 )
             continue
-        obj.load_state_dict(saved_state[key])
+        _apply(path, f"the state of {key!r}", obj.load_state_dict, saved_state[key])
     return {
         key: unpack_per_rank(value, strategy.rank)
         for key, value in saved_state.items()
@@ -261,109 +299,134 @@ def _restore_plain(
     }
 
 
+def _apply(path: Path, what: str, function: Any, *args: Any, **kwargs: Any) -> None:
+    """Run a strategy's conversion, turning its failure into a CheckpointError that says what failed."""
+    try:
+        function(*args, **kwargs)
+    except CheckpointError:
+        raise
+    except Exception as error:
+        raise CheckpointError(path, f"could not load {what}: {type(error).__name__}: {error}") from error
+
+
+def _without_params(osd: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """An optimizer state dict (keyed by parameter name) without the state of ``names``."""
+    if not names or not isinstance(osd.get("state"), dict):
+        return osd
+    return {**osd, "state": {k: v for k, v in osd["state"].items() if k not in names}}
+
+
 def _load_full(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[str, Any]:
     payload = read_full(path)
     models, optimizers = payload.get("model", {}), payload.get("optimizers", {})
+    dropped: dict[int, set[str]] = {}
     for key, module in parts.modules.items():
         if key not in models:
-            raise CheckpointError(path, f"has no module {key!r}; it holds {sorted(models)}.")
+            if strict:
+                raise CheckpointError(path, f"has no module {key!r}; it holds {sorted(models)}.")
+            warnings.warn(f"Checkpoint {path}: has no module {key!r}; it keeps its weights.", stacklevel=3)
+            continue
         saved = dict(models[key])
         drop = _reconcile(strategy, key, module, {k: tuple(v.shape) for k, v in saved.items()}, strict, path)
+        dropped[id(module)] = drop
         for name in drop:
             saved.pop(name, None)
-        strategy.load_module_state_dict(module, saved, full=True, strict=strict)
+        _apply(
+            path, f"module {key!r}", strategy.load_module_state_dict, module, saved, full=True, strict=strict
+        )
     for key, optimizer in parts.optimizers.items():
         if key not in optimizers:
             if strict:
                 raise CheckpointError(path, f"has no optimizer {key!r}; it holds {sorted(optimizers)}.")
             continue
-        strategy.load_optimizer_state_dict(
-            owner_of(optimizer, parts.modules), optimizer, optimizers[key], full=True
+        owner = owner_of(optimizer, parts.modules)
+        osd = _without_params(optimizers[key], dropped.get(id(owner), set()))
+        _apply(
+            path, f"optimizer {key!r}", strategy.load_optimizer_state_dict, owner, optimizer, osd, full=True
         )
     return _restore_plain(strategy, parts, payload.get("state", {}), strict, path)
 
 
-def _safe_load_planner(**kwargs: Any) -> Any:
-    """DCP's default load planner, except that non-tensor entries are read with ``weights_only=True``.
-
-    The stock planner unpickles them with ``weights_only=False``, which could run code from a checkpoint.
-    """
-    import io
-
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
-
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    return SafeLoadPlanner(**kwargs)
-
-
 def saved_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Flattened key -> global shape of every tensor in a DCP directory, from its metadata alone."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    """Flattened key -> global shape of every tensor in a DCP directory, from its index alone."""
+    return _dcp.tensor_shapes(_dcp.read_metadata(path))
 
-    meta = FileSystemReader(str(path)).read_metadata()
-    return {
-        key: tuple(item.size)
-        for key, item in meta.state_dict_metadata.items()
-        if isinstance(item, TensorStorageMetadata)
-    }
+
+def read_sharded_state(path: Path) -> dict[str, Any]:
+    """The plain state (``state.pt``) of a sharded checkpoint, read without running pickled code."""
+    state_file = path / STATE_FILE
+    if not state_file.exists():
+        return {}
+    try:
+        saved = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            path, f"{STATE_FILE} is unreadable or holds more than plain data (refused): {error}"
+        ) from error
+    if not isinstance(saved, dict):
+        raise CheckpointError(path, f"{STATE_FILE} holds a {type(saved).__name__}, not a dict.")
+    return saved
 
 
 def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     read_json_metadata(path)
-    try:
-        shapes = saved_tensor_shapes(path)
-    except Exception as error:
-        raise CheckpointError(
-            path, f"its torch.distributed.checkpoint metadata is unreadable: {error}"
-        ) from error
+    shapes = saved_tensor_shapes(path)
     target: dict[str, Any] = {"model": {}, "optimizers": {}}
+    dropped: dict[int, set[str]] = {}
     for key, module in parts.modules.items():
         prefix = f"model.{key}."
         saved = {k[len(prefix) :]: v for k, v in shapes.items() if k.startswith(prefix)}
         if not saved:
-            raise CheckpointError(path, f"has no module {key!r}.")
+            if strict:
+                raise CheckpointError(path, f"has no module {key!r}.")
+            warnings.warn(f"Checkpoint {path}: has no module {key!r}; it keeps its weights.", stacklevel=3)
+            continue
         drop = _reconcile(strategy, key, module, saved, strict, path)
+        dropped[id(module)] = drop
         sd = strategy.module_state_dict(module, full=False)
         target["model"][key] = {k: v for k, v in sd.items() if k not in drop and k in saved}
     for key, optimizer in parts.optimizers.items():
-        if not any(k.startswith(f"optimizers.{key}.") for k in shapes) and not strict:
+        if not any(k.startswith(f"optimizers.{key}.") for k in shapes):
+            if strict:
+                raise CheckpointError(path, f"has no optimizer {key!r}.")
             continue
-        target["optimizers"][key] = strategy.optimizer_state_dict(
-            owner_of(optimizer, parts.modules), optimizer, full=False
-        )
+        owner = owner_of(optimizer, parts.modules)
+        osd = strategy.optimizer_state_dict(owner, optimizer, full=False)
+        target["optimizers"][key] = _without_params(osd, dropped.get(id(owner), set()))
     try:
         with _single_process_quiet():
             dcp.load(
                 target,
-                checkpoint_id=str(path),
-                planner=_safe_load_planner(allow_partial_load=not strict),
+                storage_reader=_dcp.safe_reader(path),
+                planner=_dcp.safe_load_planner(allow_partial_load=not strict),
                 no_dist=not _distributed(),
             )
+    except CheckpointError as error:
+        raise CheckpointError(path, error.problem) from error
     except Exception as error:
         raise CheckpointError(path, f"could not be read: {error}") from error
     for key, module in parts.modules.items():
-        strategy.load_module_state_dict(module, target["model"][key], full=False, strict=strict)
+        if key in target["model"]:
+            _apply(
+                path,
+                f"module {key!r}",
+                strategy.load_module_state_dict,
+                module,
+                target["model"][key],
+                full=False,
+                strict=strict,
+            )
     for key, optimizer in parts.optimizers.items():
         if key in target["optimizers"]:
-            strategy.load_optimizer_state_dict(
-                owner_of(optimizer, parts.modules), optimizer, target["optimizers"][key], full=False
+            _apply(
+                path,
+                f"optimizer {key!r}",
+                strategy.load_optimizer_state_dict,
+                owner_of(optimizer, parts.modules),
+                optimizer,
+                target["optimizers"][key],
+                full=False,
             )
-    state_file = path / STATE_FILE
-    saved_state: dict[str, Any] = {}
-    if state_file.exists():
-        try:
-            saved_state = torch.load(state_file, map_location="cpu", weights_only=True)
-        except Exception as error:
-            raise CheckpointError(path, f"{STATE_FILE} is unreadable: {error}") from error
-    return _restore_plain(strategy, parts, saved_state, strict, path)
+    return _restore_plain(strategy, parts, read_sharded_state(path), strict, path)

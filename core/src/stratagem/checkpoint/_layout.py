@@ -100,13 +100,26 @@ _ALLOWED_LEAVES = (
 )
 
 
-def check_plain(value: Any, where: str) -> None:
-    """Refuse what ``torch.load(weights_only=True)`` could not read back, naming the place."""
+def check_plain(value: Any, where: str, *, whole: bool = False) -> None:
+    """Refuse what ``torch.load(weights_only=True)`` could not read back, naming the place.
+
+    ``whole``: tensors must be whole plain tensors (a full checkpoint), not shards (``DTensor``) or other
+    tensor subclasses.
+    """
+    if isinstance(value, torch.Tensor):
+        if whole and type(value) not in (torch.Tensor, torch.nn.Parameter):
+            raise CheckpointError(
+                "(state)",
+                f"{where} is a {type(value).__qualname__}, not a whole tensor; a full checkpoint holds gathered "
+                "plain tensors (the strategy's module_state_dict/optimizer_state_dict with full=True must "
+                "return them).",
+            )
+        return
     if isinstance(value, _ALLOWED_LEAVES):
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            check_plain(item, f"{where}[{i}]")
+            check_plain(item, f"{where}[{i}]", whole=whole)
         return
     if isinstance(value, dict):
         for k, item in value.items():
@@ -114,7 +127,7 @@ def check_plain(value: Any, where: str) -> None:
                 raise CheckpointError(
                     "(state)", f"{where} has a key {k!r} of type {type(k).__name__}; use str or int"
                 )
-            check_plain(item, f"{where}[{k!r}]")
+            check_plain(item, f"{where}[{k!r}]", whole=whole)
         return
     raise CheckpointError(
         "(state)",

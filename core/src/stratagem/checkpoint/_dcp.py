@@ -1,0 +1,120 @@
+"""Reading ``torch.distributed.checkpoint`` directories without running pickled code.
+
+DCP keeps its index (``.metadata``) as a pickle and reads non-tensor entries with ``weights_only=False``;
+either would run whatever a crafted checkpoint asks. Here the index goes through an unpickler that builds
+only DCP's own metadata classes and a few torch value types, and non-tensor entries through
+``torch.load(weights_only=True)``. Tensor data DCP already reads with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.errors import CheckpointError
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"refusing {module}.{name}: a torch.distributed.checkpoint index holds only its metadata classes"
+        )
+
+
+def read_metadata(path: Path, rank: int | None = None) -> Any:
+    """The DCP index of directory ``path``, read with the restricted unpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    file = path / (".metadata" if rank is None else f"__{rank}.metadata")
+    try:
+        with open(file, "rb") as stream:
+            meta = _MetadataUnpickler(stream).load()
+    except FileNotFoundError as error:
+        raise CheckpointError(
+            path, "has no torch.distributed.checkpoint index (.metadata): the directory is incomplete."
+        ) from error
+    except Exception as error:
+        raise CheckpointError(
+            path, f"its torch.distributed.checkpoint index (.metadata) is unreadable or unsafe: {error}"
+        ) from error
+    if not isinstance(meta, Metadata):
+        raise CheckpointError(path, f".metadata holds a {type(meta).__name__}, not a DCP Metadata.")
+    if getattr(meta, "storage_meta", None) is None:
+        meta.storage_meta = StorageMeta()
+    return meta
+
+
+def safe_reader(path: Path) -> Any:
+    """A ``FileSystemReader`` whose index is read by :func:`read_metadata`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            meta = read_metadata(Path(self.path), kwargs.get("rank"))
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return SafeFileSystemReader(str(path))
+
+
+def _load_plain(value: io.BytesIO) -> Any:
+    try:
+        return torch.load(value, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            "(sharded entry)", f"a non-tensor entry is not plain data (refused, nothing was run): {error}"
+        ) from error
+
+
+def safe_load_planner(**kwargs: Any) -> Any:
+    """DCP's default load planner, except that non-tensor entries are read with ``weights_only=True``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = _load_plain(value)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafeLoadPlanner(**kwargs)
+
+
+def tensor_shapes(meta: Any) -> dict[str, tuple[int, ...]]:
+    """Flattened key -> global shape of every tensor in a DCP index."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        key: tuple(item.size)
+        for key, item in meta.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
