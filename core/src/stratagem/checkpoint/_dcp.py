@@ -105,6 +105,7 @@ def safe_load_planner(**kwargs: Any) -> Any:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
+                self.original_state_dict[read_item.dest_index.fqn] = loaded
 
     return SafeLoadPlanner(**kwargs)
 
