@@ -63,3 +63,41 @@ def seeded_generator(seed: int) -> torch.Generator:
     generator = torch.Generator()
     generator.manual_seed(seed)
     return generator
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a loader draws its order and worker seeds from (each once)."""
+    holders = [
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(loader, "batch_sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ]
+    found: dict[int, torch.Generator] = {}
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found.setdefault(id(generator), generator)
+    return list(found.values())
+
+
+def skip_batches(iterator: Any, count: int) -> int:
+    """Advance a loader's iterator by ``count`` batches; return how many were skipped (fewer at the end).
+
+    A single-process loader skips at the sampler, without loading the data; worker processes have been
+    handed indices already, so their batches are fetched and dropped.
+    """
+    skipped = 0
+    sampler_iter = getattr(iterator, "_sampler_iter", None)
+    fast = type(iterator).__name__ == "_SingleProcessDataLoaderIter" and sampler_iter is not None
+    while skipped < count:
+        try:
+            if fast:
+                next(sampler_iter)
+                iterator._num_yielded += 1
+            else:
+                next(iterator)
+        except StopIteration:
+            break
+        skipped += 1
+    return skipped

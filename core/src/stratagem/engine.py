@@ -116,6 +116,9 @@ class Engine:
         self.precision = normalize(precision)
         self.devices, self.num_nodes, self.timeout = devices, num_nodes, float(timeout)
         self._source = cluster_mod.launched_externally()
+        if self._source is not None:
+            # Record an uncaught exception for the launcher from the start, not only once training begins.
+            launcher.install_worker_excepthook()
         self._check_devices()
         self.world_size_requested = self._expected_world_size()
         self.strategy = self._resolve_strategy(strategy)

@@ -14,11 +14,14 @@ Either way, a worker that raises or dies stops the others at once; the caller ge
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
 import socket
 import sys
+import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -27,6 +30,8 @@ from stratagem.errors import WorkerFailedError
 
 #: Set in every worker stratagem starts, so that nothing in it launches again.
 WORKER_ENV = "STRATAGEM_WORKER"
+#: Beside the agent's error file, a worker notes when it failed (see :func:`_root_failure`).
+FAILURE_SUFFIX = ".stratagem.json"
 #: glibc keeps freed buffers above its dynamic mmap threshold in the heap; FSDP's all-gather buffers then
 #: pile up in RSS. A fixed threshold returns them to the OS (see benchmarks/memory.py for the measurement).
 CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -114,8 +119,43 @@ def _config(
     )
 
 
+def _failure_time(failure: Any) -> float | None:
+    """When the worker recorded its exception (sub-second), or ``None`` if it recorded none."""
+    path = getattr(failure, "error_file", "")
+    if not path or not os.path.isfile(path + FAILURE_SUFFIX):
+        return None
+    try:
+        return float(json.loads(open(path + FAILURE_SUFFIX).read())["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _root_failure(error: Any) -> tuple[int, Any]:
+    """The failure that started it all.
+
+    The agent orders failures by whole seconds, so a rank that failed because its peer vanished can tie with
+    the peer. A worker that died without recording an exception (a signal other than the agent's SIGTERM,
+    ``sys.exit(n)``) is a root cause: a lost peer shows up as an exception. Otherwise the earliest recorded
+    exception is.
+    """
+    failures = dict(error.failures)
+    silent = [
+        (f.timestamp, rank, f)
+        for rank, f in failures.items()
+        if _failure_time(f) is None and f.exitcode not in (0, -signal.SIGTERM)
+    ]
+    if silent:
+        _, rank, failure = min(silent, key=lambda item: item[:2])
+        return rank, failure
+    timed = [(t, rank, f) for rank, f in failures.items() if (t := _failure_time(f)) is not None]
+    if timed:
+        _, rank, failure = min(timed, key=lambda item: item[:2])
+        return rank, failure
+    return error.get_first_failure()
+
+
 def _describe(error: Any) -> WorkerFailedError:
-    rank, failure = error.get_first_failure()
+    rank, failure = _root_failure(error)
     exitcode = failure.exitcode
     if exitcode is not None and exitcode < 0:
         with contextlib.suppress(ValueError):
@@ -159,8 +199,8 @@ def launch_function(
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` in every worker; return ``{rank: result}`` of this node's workers."""
     return _run(
-        fn,
-        list(args),
+        _call_recording,
+        [fn, *args],
         worker_environment(accelerator, env),
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
@@ -211,21 +251,84 @@ def supervise_script(nproc_per_node: int, accelerator: str, env: Mapping[str, st
     raise SystemExit(0)
 
 
+def _call_recording(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` in a spawned worker, noting the time of an exception for :func:`_root_failure`."""
+    try:
+        return fn(*args)
+    except BaseException as error:
+        if not isinstance(error, SystemExit):
+            _note_failure_time()
+        raise
+
+
+def _note_failure_time() -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            with open(path + FAILURE_SUFFIX, "w") as file:
+                json.dump({"time": time.time()}, file)
+
+
+def record_exception(kind: type[BaseException], value: BaseException, tb: Any) -> bool:
+    """Write the exception where the agent reads it (its error-file format); False if there is nowhere to."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    data = {
+        "message": {
+            "message": f"{kind.__name__}: {value}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    try:
+        with open(path, "w") as file:
+            json.dump(data, file)
+    except OSError:
+        return False
+    _note_failure_time()
+    return True
+
+
 def install_worker_excepthook() -> None:
-    """In a worker running a script, record an uncaught exception where the agent reads it."""
+    """In a worker running a script, record an uncaught exception where the agent reads it.
+
+    Under stratagem's own launcher the supervising process prints the failing rank's traceback once, so the
+    worker does not print it too (the other ranks' follow-on errors would repeat it).
+    """
     if "TORCHELASTIC_ERROR_FILE" not in os.environ or getattr(sys.excepthook, "_stratagem", False):
+        return
+    previous = sys.excepthook
+    supervised = os.environ.get(WORKER_ENV) == "1"
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        recorded = record_exception(kind, value, tb)
+        if not (recorded and supervised):
+            previous(kind, value, tb)
+
+    hook._stratagem = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+_uncaught: list[BaseException] = []
+
+
+def uncaught_exception() -> bool:
+    """Whether an exception reached the top of this process (seen by :func:`watch_uncaught`'s hook)."""
+    return bool(_uncaught)
+
+
+def watch_uncaught() -> None:
+    """Note uncaught exceptions, so that exit handlers can tell a failing process from a finishing one."""
+    if getattr(sys.excepthook, "_stratagem_watch", False):
         return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        with contextlib.suppress(Exception):
-            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-            try:
-                raise value.with_traceback(tb)
-            except BaseException as exc:  # record_exception formats the exception being handled
-                ErrorHandler().record_exception(exc)
+        _uncaught.append(value)
         previous(kind, value, tb)
 
-    hook._stratagem = True  # type: ignore[attr-defined]
+    hook._stratagem_watch = True  # type: ignore[attr-defined]
     sys.excepthook = hook

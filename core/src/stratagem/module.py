@@ -16,10 +16,14 @@ class Module(torch.nn.Module):
     Override :meth:`training_step` (required) and :meth:`configure_optimizers` (required for ``fit``);
     :meth:`configure_model` builds large layers under the strategy's init and sharding contexts;
     :meth:`validation_step` runs on ``val_loader``. Call :meth:`log` to record metrics.
+    :meth:`on_save_checkpoint` / :meth:`on_load_checkpoint` carry extra state of your own through checkpoints.
     """
 
     def configure_model(self) -> None:
-        """Build layers here to have them created on the meta device and sharded as they are built."""
+        """Build layers here to have them created on the meta device and sharded as they are built.
+
+        Called once per process before the model is wrapped (a second ``fit`` does not call it again).
+        """
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """Return the loss of one batch (or a dict with key ``"loss"``)."""
@@ -30,19 +34,38 @@ class Module(torch.nn.Module):
         return None
 
     def configure_optimizers(self) -> Any:
-        """Return an optimizer, a list of optimizers, or ``{"optimizer": opt, "lr_scheduler": sched}``."""
+        """Return an optimizer, a list of optimizers, or ``{"optimizer": opt, "lr_scheduler": sched}``.
+
+        ``lr_scheduler`` may also be ``{"scheduler": sched, "interval": "step" | "epoch", "frequency": n}``
+        (default: stepped after every optimizer step).
+        """
         return None
+
+    def on_save_checkpoint(self, extras: dict[str, Any]) -> None:
+        """Add state of your own to ``extras`` (tensors and builtins only); it comes back in
+        :meth:`on_load_checkpoint` when training resumes."""
+
+    def on_load_checkpoint(self, extras: dict[str, Any]) -> None:
+        """Restore what :meth:`on_save_checkpoint` stored."""
 
     @property
     def trainer(self) -> Trainer | None:
         return self.__dict__.get("_stratagem_trainer")
 
     def log(self, name: str, value: Any, *, prog_bar: bool = True, reduce: str = "mean") -> None:
-        """Record a metric for this step: reduced across ranks, shown on the bar, written to the CSV log."""
+        """Record a metric: reduced across ranks (``reduce``: mean, sum, max, min) at each logging step,
+        shown on the progress bar (``prog_bar``) and written to the CSV log under ``default_root_dir``.
+
+        Log the same names on every rank: the reduction is one collective over all of them.
+        """
         trainer = self.trainer
         if trainer is None:
             return
         trainer._log_metric(name, value, prog_bar=prog_bar, reduce=reduce)
+
+    def log_dict(self, metrics: dict[str, Any], *, prog_bar: bool = True, reduce: str = "mean") -> None:
+        for name, value in metrics.items():
+            self.log(name, value, prog_bar=prog_bar, reduce=reduce)
 
     @classmethod
     def overrides(cls, name: str) -> bool:

@@ -1,0 +1,823 @@
+"""``stratagem.Trainer``: the fit loop (accumulation, clipping, validation, logging, periodic checkpoints and
+exact resume) on top of one :class:`~stratagem.engine.Engine`."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from stratagem import launcher
+from stratagem._logging import CsvLog, MetricStore
+from stratagem._progress import ProgressBar, format_metrics
+from stratagem.checkpoint import PerRank
+from stratagem.data import loader_generators, set_epoch, skip_batches
+from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
+from stratagem.errors import CheckpointError, ConfigurationError
+from stratagem.module import Module
+from stratagem.seed import capture_rng, restore_rng
+
+CHECKPOINT_DIR = "checkpoints"
+LAST_POINTER = "last"
+_CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.ckpt)?$")
+
+
+def _optional_positive(kind: type) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+            raise ConfigurationError(
+                f"Trainer({attribute.name}={value!r}): give a positive {kind.__name__} or None."
+            )
+
+    return check
+
+
+def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"Trainer({attribute.name}={value!r}): give a positive integer.")
+
+
+def _clip_value(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+@attrs.frozen(kw_only=True)
+class TrainerOptions:
+    """The loop's options, checked when the Trainer is made (before anything launches)."""
+
+    max_steps: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    max_epochs: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    accumulate_grad_batches: int = attrs.field(default=1, validator=_positive_int)
+    gradient_clip_val: float | None = attrs.field(
+        default=None, converter=_clip_value, validator=_optional_positive(float)
+    )
+    val_check_interval: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    limit_val_batches: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    checkpoint_every_n_steps: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    keep_last_k: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    checkpoint_format: str | None = attrs.field(default=None)
+    default_root_dir: Path = attrs.field(default=Path("runs"), converter=Path)
+    seed: int | None = attrs.field(default=None)
+    log_every_n_steps: int = attrs.field(default=10, validator=_positive_int)
+    enable_progress_bar: bool = True
+    use_distributed_sampler: bool = True
+
+    @checkpoint_format.validator
+    def _check_format(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in (None, "full", "sharded"):
+            raise ConfigurationError(f"Trainer(checkpoint_format={value!r}): use 'full', 'sharded' or None.")
+
+    @seed.validator
+    def _check_seed(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigurationError(f"Trainer(seed={value!r}): give an integer or None.")
+
+
+@attrs.define
+class _Scheduler:
+    scheduler: Any
+    interval: str = "step"
+    frequency: int = 1
+
+
+@attrs.define
+class _Position:
+    """Where training is: optimizer steps taken, epoch, and batches of this epoch consumed."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [_to_device(item, device) for item in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    if isinstance(batch, dict):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+@contextlib.contextmanager
+def _redirected_forward(module: torch.nn.Module, method: str) -> Iterator[None]:
+    """Make ``wrapper(*args)`` run ``module.<method>(*args)`` inside the wrapper's forward.
+
+    A wrapper (DDP, a sharding wrapper) does its work around its own forward; calling ``training_step`` on the
+    inner module directly would skip it. The original forward is put back as soon as the step starts, so the
+    step's own ``self(x)`` calls reach the real forward.
+    """
+    had_instance_forward = "forward" in module.__dict__
+    original = module.__dict__.get("forward")
+
+    def restore() -> None:
+        if had_instance_forward:
+            module.forward = original  # type: ignore[method-assign]
+        else:
+            module.__dict__.pop("forward", None)
+
+    def step_as_forward(*args: Any, **kwargs: Any) -> Any:
+        restore()
+        return getattr(module, method)(*args, **kwargs)
+
+    module.forward = step_as_forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        restore()
+
+
+class Trainer:
+    """Fit a :class:`~stratagem.Module` under a strategy chosen by name.
+
+    :param strategy: a registered name, ``"auto"`` or a ``Strategy`` instance (see :class:`~stratagem.Engine`).
+    :param accelerator: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+    :param devices: processes per node. With more than one and no launcher around, ``fit`` re-runs the script
+        in that many workers (torch's elastic agent); this process waits and exits with their status.
+    :param num_nodes: nodes (start one ``stratagem run`` or ``torchrun`` per node).
+    :param precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"`` (CUDA only).
+    :param max_steps: stop after this many optimizer steps.
+    :param max_epochs: stop after this many epochs (with neither limit: one epoch).
+    :param accumulate_grad_batches: batches per optimizer step; gradients are not synchronised on the others.
+    :param gradient_clip_val: clip the total gradient norm to this value.
+    :param val_check_interval: validate every this many optimizer steps (default: at the end of each epoch).
+    :param limit_val_batches: validate on at most this many batches.
+    :param checkpoint_every_n_steps: write ``default_root_dir/checkpoints/step-NNNNNN[.ckpt]`` this often, and
+        at the end of ``fit``; ``checkpoints/last`` names the newest complete one.
+    :param keep_last_k: keep only the newest k of those checkpoints.
+    :param checkpoint_format: ``"full"`` or ``"sharded"``; default: the strategy's.
+    :param default_root_dir: where ``metrics.csv`` and ``checkpoints/`` go.
+    :param seed: seed python, numpy and torch at the start of ``fit`` (and the distributed sampler's order).
+    :param log_every_n_steps: reduce the logged metrics across ranks and write them out this often.
+    :param enable_progress_bar: show the progress bar on rank 0.
+    :param use_distributed_sampler: give loaders a ``DistributedSampler`` unless they have a sampler of their own.
+    :param timeout: the process-group timeout in seconds (a rank waiting longer on a peer fails).
+    """
+
+    def __init__(
+        self,
+        *,
+        strategy: Any = "auto",
+        accelerator: str = "auto",
+        devices: int = 1,
+        num_nodes: int = 1,
+        precision: str | int = "32-true",
+        max_steps: int | None = None,
+        max_epochs: int | None = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        val_check_interval: int | None = None,
+        limit_val_batches: int | None = None,
+        checkpoint_every_n_steps: int | None = None,
+        keep_last_k: int | None = None,
+        checkpoint_format: str | None = None,
+        default_root_dir: str | os.PathLike[str] = "runs",
+        seed: int | None = None,
+        log_every_n_steps: int = 10,
+        enable_progress_bar: bool = True,
+        use_distributed_sampler: bool = True,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.options = TrainerOptions(
+            max_steps=max_steps,
+            max_epochs=max_epochs,
+            accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val,
+            val_check_interval=val_check_interval,
+            limit_val_batches=limit_val_batches,
+            checkpoint_every_n_steps=checkpoint_every_n_steps,
+            keep_last_k=keep_last_k,
+            checkpoint_format=checkpoint_format,
+            default_root_dir=default_root_dir,
+            seed=seed,
+            log_every_n_steps=log_every_n_steps,
+            enable_progress_bar=enable_progress_bar,
+            use_distributed_sampler=use_distributed_sampler,
+        )
+        self.engine = Engine(
+            strategy=strategy,
+            accelerator=accelerator,
+            devices=devices,
+            num_nodes=num_nodes,
+            precision=precision,
+            timeout=timeout,
+        )
+        if checkpoint_format is not None:
+            caps = self.engine.capabilities
+            if caps is not None and checkpoint_format not in caps.checkpoint_formats:
+                raise ConfigurationError(
+                    f"Trainer(checkpoint_format={checkpoint_format!r}): strategy {self.engine.strategy.name!r} "
+                    f"writes {sorted(caps.checkpoint_formats)}."
+                )
+        self.position = _Position()
+        #: The latest reduced metrics (training and validation).
+        self.logged_metrics: dict[str, float] = {}
+        self.module: Module | None = None
+        self.model: torch.nn.Module | None = None
+        self.optimizers: list[Any] = []
+        self.lr_schedulers: list[_Scheduler] = []
+        self._train_metrics = MetricStore()
+        self._val_metrics = MetricStore()
+        self._in_validation = False
+        self._epoch_rng: dict[str, Any] | None = None
+        self._resume: dict[str, Any] | None = None
+        self._bar: ProgressBar | None = None
+        self._last_saved_step: int | None = None
+
+    # properties ------------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> Any:
+        return self.engine.strategy
+
+    @property
+    def global_step(self) -> int:
+        return self.position.step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.position.epoch
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.engine.is_global_zero
+
+    @property
+    def default_root_dir(self) -> Path:
+        return self.options.default_root_dir
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.options.default_root_dir / CHECKPOINT_DIR
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.options.checkpoint_format or getattr(self.engine.strategy, "checkpoint_format", "full")
+
+    # public API ------------------------------------------------------------------------------------
+    def init_module(self, empty_init: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Build the model in here: on the device, in the parameter dtype, on the meta device with
+        ``empty_init`` where the strategy materialises it later.
+
+        In a process that will only launch the workers, the model is built on the meta device: it is never
+        trained here, and the workers build their own.
+        """
+        if self.engine.needs_launch:
+            return torch.device("meta")
+        return self.engine.init_module(empty_init=empty_init)
+
+    def fit(
+        self,
+        model: Module,
+        train_dataloaders: Any,
+        val_dataloaders: Any = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Train ``model``. ``ckpt_path``: ``None`` (start fresh), ``"last"`` (resume from the newest complete
+        checkpoint under ``default_root_dir``, or start fresh if there is none), or a checkpoint's path."""
+        self._check_model(model, for_fit=True)
+        self._check_loader(train_dataloaders, "train_dataloaders")
+        if val_dataloaders is not None:
+            self._check_loader(val_dataloaders, "val_dataloaders")
+        self._check_ckpt_path(ckpt_path)
+        if self.engine.needs_launch:
+            self._check_optimizers_before_launch(model)
+            self._launch()
+        self._setup(model, with_optimizers=True)
+        resume_from = self._resolve_ckpt_path(ckpt_path)
+        if resume_from is not None:
+            self._load_for_resume(resume_from)
+        train_loader = self._prepare_loader(train_dataloaders)
+        val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
+        self._fit_loop(train_loader, val_loader, resumed=resume_from is not None)
+
+    def validate(self, model: Module | None = None, dataloaders: Any = None) -> dict[str, float]:
+        """Run ``validation_step`` over ``dataloaders``; return the metrics, reduced across ranks."""
+        model = model if model is not None else self.module
+        if model is None or dataloaders is None:
+            raise ConfigurationError("validate() needs a model and dataloaders (or a model fitted before).")
+        self._check_model(model, for_fit=False)
+        self._check_loader(dataloaders, "dataloaders")
+        if self.engine.needs_launch:
+            self._launch()
+        self._setup(model, with_optimizers=False)
+        return self._run_validation(self._prepare_loader(dataloaders))
+
+    def save_checkpoint(self, path: str | os.PathLike[str], format: str | None = None) -> None:
+        """Save the model, optimizers, schedulers, position in the data and RNG states. Call it on every rank."""
+        if self.model is None:
+            raise ConfigurationError("save_checkpoint() before fit(): there is no model set up to save yet.")
+        extras: dict[str, Any] = {}
+        assert self.module is not None
+        self.module.on_save_checkpoint(extras)
+        state = self._live_state()
+        state.update(
+            progress=self.position.to_dict(),
+            rng=PerRank(capture_rng()),
+            epoch_rng=PerRank(self._epoch_rng),
+            extras=extras,
+        )
+        self.engine.save(path, state, format=format or self.checkpoint_format)
+        self._last_saved_step = self.position.step
+
+    def print(self, *args: Any) -> None:
+        """Print on rank 0 (above the progress bar while it runs)."""
+        if not self.engine.is_global_zero:
+            return
+        message = " ".join(str(a) for a in args)
+        if self._bar is not None and self._bar.enabled:
+            self._bar.print(message)
+        else:
+            print(message, flush=True)
+
+    # checks before anything launches ---------------------------------------------------------------
+    @staticmethod
+    def _check_model(model: Any, *, for_fit: bool) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigurationError(
+                f"The model is a {type(model).__name__}; give a stratagem.Module (a torch.nn.Module with "
+                "training_step and configure_optimizers)."
+            )
+        if not for_fit:
+            return
+        step = getattr(type(model), "training_step", None)
+        if step is None or step is Module.training_step:
+            raise ConfigurationError(
+                f"{type(model).__name__} has no training_step(batch, batch_idx). Define it to return the loss."
+            )
+        configure = getattr(type(model), "configure_optimizers", None)
+        if configure is None or configure is Module.configure_optimizers:
+            raise ConfigurationError(
+                f"{type(model).__name__} has no configure_optimizers(). Define it to return an optimizer, a "
+                "list of optimizers, or {'optimizer': opt, 'lr_scheduler': scheduler}."
+            )
+
+    @staticmethod
+    def _check_loader(loader: Any, name: str) -> None:
+        if loader is None or not hasattr(loader, "__iter__"):
+            raise ConfigurationError(f"fit({name}={loader!r}): give an iterable of batches (a DataLoader).")
+
+    @staticmethod
+    def _check_ckpt_path(ckpt_path: Any) -> None:
+        if ckpt_path is None or ckpt_path == "last":
+            return
+        target = Path(ckpt_path)
+        if not target.exists() and not target.with_name(target.name + ".stratagem-old").exists():
+            raise CheckpointError(
+                target, 'does not exist. Pass an existing checkpoint, "last" (the newest under '
+                "default_root_dir, if any), or None to start fresh."
+            )
+
+    def _check_optimizers_before_launch(self, model: Module) -> None:
+        """Catch a configure_optimizers that returns nothing before starting workers: build the model on the
+        meta device here (this process never trains) and look at what it returns."""
+        try:
+            with torch.device("meta"):
+                model.configure_model()
+            result = model.configure_optimizers()
+        except Exception:
+            return  # something only the workers can do; they check it for real
+        _parse_optimizers(result, type(model).__name__)
+
+    def _launch(self) -> None:
+        argv0 = sys.argv[0] if sys.argv else ""
+        main = sys.modules.get("__main__")
+        if argv0 in ("", "-c") or (main is not None and not hasattr(main, "__file__")):
+            raise ConfigurationError(
+                f"devices={self.engine.devices} from an interactive session: the workers re-run the script, "
+                "and there is none. Run it as `python script.py`, or start it with torchrun or "
+                "`stratagem run --devices N script.py`; for a function, use Engine.launch(fn)."
+            )
+        if Path(argv0).name in ("pytest", "py.test") or argv0.endswith(os.path.join("pytest", "__main__.py")):
+            raise ConfigurationError(
+                f"devices={self.engine.devices} inside pytest would re-run pytest in every worker. Run the "
+                "training in a script (python script.py) from the test, or use Engine.launch(fn)."
+            )
+        launcher.supervise_script(self.engine.devices, self.engine.accelerator)
+
+    # set-up ----------------------------------------------------------------------------------------
+    def _setup(self, model: Module, *, with_optimizers: bool) -> None:
+        engine = self.engine
+        if self.module is not None and model is not self.module:
+            raise ConfigurationError(
+                "This Trainer already trains another model; make one Trainer per model."
+            )
+        first = self.model is None
+        if first:
+            engine.setup_environment()
+            _register_teardown(engine)
+            if self.options.seed is not None:
+                engine.seed_everything(self.options.seed)
+            model.__dict__["_stratagem_trainer"] = self
+            self.module = model
+            if not model.__dict__.get("_stratagem_configured", False):
+                with engine.init_module(empty_init=False):
+                    model.configure_model()
+                model.__dict__["_stratagem_configured"] = True
+        elif self.options.seed is not None and with_optimizers:
+            engine.seed_everything(self.options.seed)
+        if with_optimizers and not self.optimizers:
+            if first:
+                optimizers, self.lr_schedulers = _parse_optimizers(
+                    model.configure_optimizers(), type(model).__name__
+                )
+                self.model, *self.optimizers = engine.setup(model, *optimizers)
+            else:
+                # Set up by validate() before: optimizers over the wrapped model's parameters.
+                optimizers, self.lr_schedulers = _parse_optimizers(
+                    model.configure_optimizers(), type(model).__name__
+                )
+                self.optimizers = engine.setup_optimizers(self.model, *optimizers)
+        elif first:
+            self.model = engine.setup_module(model)
+
+    def _prepare_loader(self, loader: Any) -> Any:
+        return self.engine.setup_dataloaders(
+            loader,
+            use_distributed_sampler=self.options.use_distributed_sampler,
+            seed=self.options.seed or 0,
+        )
+
+    def _live_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.model}
+        for i, optimizer in enumerate(self.optimizers):
+            state["optimizer" if i == 0 else f"optimizer_{i}"] = optimizer
+        for i, scheduler in enumerate(self.lr_schedulers):
+            state[f"lr_scheduler_{i}"] = scheduler.scheduler
+        scaler = getattr(self.engine.strategy, "scaler", None)
+        if scaler is not None:
+            state["grad_scaler"] = scaler
+        return state
+
+    # checkpoints -----------------------------------------------------------------------------------
+    def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | None:
+        if ckpt_path is None:
+            return None
+        if ckpt_path != "last":
+            return Path(ckpt_path)
+        found = find_last_checkpoint(self.checkpoint_dir) if self.engine.is_global_zero else None
+        found = self.engine.broadcast(None if found is None else str(found), 0)
+        if found is None:
+            self.print(f"No checkpoint under {self.checkpoint_dir}: training from the start.")
+            return None
+        return Path(found)
+
+    def _load_for_resume(self, path: Path) -> None:
+        rest = self.engine.load(path, self._live_state(), strict=True)
+        progress = rest.get("progress")
+        if not isinstance(progress, dict):
+            raise CheckpointError(
+                path, "holds no training position (it was not written by Trainer.save_checkpoint); load it "
+                "with Engine.load, or start fit() without ckpt_path."
+            )
+        self.position = _Position(**{k: int(v) for k, v in progress.items()})
+        self._resume = {"rng": rest.get("rng"), "epoch_rng": rest.get("epoch_rng")}
+        assert self.module is not None
+        self.module.on_load_checkpoint(dict(rest.get("extras") or {}))
+        self._last_saved_step = self.position.step
+        self.print(f"Resumed from {path} at step {self.position.step} (epoch {self.position.epoch}).")
+
+    def _save_periodic(self) -> None:
+        name = f"step-{self.position.step:06d}" + (".ckpt" if self.checkpoint_format == "full" else "")
+        target = self.checkpoint_dir / name
+        self.save_checkpoint(target)
+        if self.engine.is_global_zero:
+            from stratagem.checkpoint._atomic import atomic_file
+
+            with atomic_file(self.checkpoint_dir / LAST_POINTER) as tmp:
+                tmp.write_text(name + "\n")
+            if self.options.keep_last_k is not None:
+                _prune(self.checkpoint_dir, keep=self.options.keep_last_k, protect=name)
+
+    # the loop --------------------------------------------------------------------------------------
+    def _fit_loop(self, loader: Any, val_loader: Any, *, resumed: bool) -> None:
+        opts = self.options
+        max_epochs = opts.max_epochs if (opts.max_epochs or opts.max_steps) else 1
+        accumulate = opts.accumulate_grad_batches
+        length = _length(loader)
+        steps_per_epoch = None if length is None else math.ceil(length / accumulate)
+        total = opts.max_steps
+        if max_epochs is not None and steps_per_epoch is not None:
+            by_epochs = max_epochs * steps_per_epoch
+            total = by_epochs if total is None else min(total, by_epochs)
+        csv_log = CsvLog(opts.default_root_dir / "metrics.csv", enabled=self.engine.is_global_zero)
+        if resumed:
+            csv_log.resume_after(self.position.step)
+        else:
+            csv_log.start_fresh()
+        self._csv = csv_log
+        self._bar = ProgressBar(enabled=self.engine.is_global_zero and opts.enable_progress_bar)
+        self._bar.start(total=total, step=self.position.step)
+        assert self.model is not None
+        self.model.train()
+        try:
+            self._epochs(loader, val_loader, max_epochs, length)
+            if self._train_metrics:
+                self._log_train_metrics()
+            if opts.checkpoint_every_n_steps is not None and self._last_saved_step != self.position.step:
+                self._save_periodic()
+        finally:
+            self._bar.close()
+        self.engine.barrier("fit-end")
+
+    def _done(self, max_epochs: int | None) -> bool:
+        max_steps = self.options.max_steps
+        if max_steps is not None and self.position.step >= max_steps:
+            return True
+        return max_epochs is not None and self.position.epoch >= max_epochs
+
+    def _epochs(self, loader: Any, val_loader: Any, max_epochs: int | None, length: int | None) -> None:
+        position = self.position
+        while not self._done(max_epochs):
+            iterator = self._start_epoch(loader)
+            for batch in iterator:
+                last_of_epoch = length is not None and position.batch_in_epoch + 1 == length
+                if self._train_batch(batch, last_of_epoch, val_loader):
+                    return
+            self._end_epoch(val_loader)
+
+    def _start_epoch(self, loader: Any) -> Any:
+        position = self.position
+        resume, self._resume = self._resume, None
+        if resume is not None and position.batch_in_epoch > 0:
+            # Re-create this epoch's order exactly: the RNG as the epoch began, the same iterator, skip what
+            # was consumed; then the RNG as it was when the checkpoint was written.
+            epoch_rng = resume.get("epoch_rng")
+            if epoch_rng is None:
+                raise CheckpointError(
+                    "(resume)", "stopped inside an epoch but holds no epoch-start RNG state to replay it."
+                )
+            self._restore_epoch_rng(loader, epoch_rng)
+            self._epoch_rng = epoch_rng
+            set_epoch(loader, position.epoch)
+            iterator = iter(loader)
+            skip_batches(iterator, position.batch_in_epoch)
+            restore_rng(resume["rng"])
+            return iterator
+        if resume is not None and resume.get("rng") is not None:
+            restore_rng(resume["rng"])
+        position.batch_in_epoch = 0
+        self._epoch_rng = {
+            "rng": capture_rng(),
+            "generators": [g.get_state() for g in loader_generators(loader)],
+        }
+        set_epoch(loader, position.epoch)
+        return iter(loader)
+
+    @staticmethod
+    def _restore_epoch_rng(loader: Any, epoch_rng: dict[str, Any]) -> None:
+        restore_rng(epoch_rng["rng"])
+        generators = loader_generators(loader)
+        saved = epoch_rng.get("generators") or []
+        if len(saved) != len(generators):
+            raise CheckpointError(
+                "(resume)", "the train loader's random generators differ from those of the run being resumed."
+            )
+        for generator, state in zip(generators, saved):
+            generator.set_state(state)
+
+    def _end_epoch(self, val_loader: Any) -> None:
+        for scheduler in self.lr_schedulers:
+            if scheduler.interval == "epoch" and (self.position.epoch + 1) % scheduler.frequency == 0:
+                scheduler.scheduler.step()
+        if val_loader is not None and self.options.val_check_interval is None:
+            self._run_validation(val_loader)
+        self.position.epoch += 1
+        self.position.batch_in_epoch = 0
+        self._epoch_rng = None
+
+    def _train_batch(self, batch: Any, last_of_epoch: bool, val_loader: Any) -> bool:
+        """One batch; an optimizer step at the end of each accumulation. True when training is done."""
+        opts, position, engine = self.options, self.position, self.engine
+        batch_idx = position.batch_in_epoch
+        boundary = last_of_epoch or (batch_idx + 1) % opts.accumulate_grad_batches == 0
+        if engine.device.type != "cpu":
+            batch = _to_device(batch, engine.device)
+        with engine.no_sync(self.model, enabled=not boundary):
+            with engine.forward_context():
+                output = self._call("training_step", batch, batch_idx)
+            loss = _loss_of(output)
+            engine.backward(
+                loss / opts.accumulate_grad_batches if opts.accumulate_grad_batches > 1 else loss, self.model
+            )
+        self._train_metrics.add("loss", loss.detach())
+        position.batch_in_epoch = batch_idx + 1
+        if not boundary:
+            return False
+        self._optimizer_step()
+        position.step += 1
+        if position.step % opts.log_every_n_steps == 0:
+            self._log_train_metrics()
+        assert self._bar is not None
+        self._bar.update(position.step)
+        if val_loader is not None and opts.val_check_interval and position.step % opts.val_check_interval == 0:
+            self._run_validation(val_loader)
+        if opts.checkpoint_every_n_steps and position.step % opts.checkpoint_every_n_steps == 0:
+            self._save_periodic()
+        return opts.max_steps is not None and position.step >= opts.max_steps
+
+    def _optimizer_step(self) -> None:
+        clip = self.options.gradient_clip_val
+        for optimizer in self.optimizers:
+            if clip is not None:
+                self.engine.clip_gradients(self.model, optimizer, clip)
+            optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        step = self.position.step + 1
+        for scheduler in self.lr_schedulers:
+            if scheduler.interval == "step" and step % scheduler.frequency == 0:
+                scheduler.scheduler.step()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        model, module = self.model, self.module
+        assert model is not None and module is not None
+        if model is module:
+            return getattr(module, method)(*args)
+        with _redirected_forward(module, method):
+            return model(*args)
+
+    # metrics ---------------------------------------------------------------------------------------
+    def _log_metric(self, name: str, value: Any, *, prog_bar: bool, reduce: str) -> None:
+        store = self._val_metrics if self._in_validation else self._train_metrics
+        store.add(name, value, reduce=reduce, prog_bar=prog_bar)
+
+    def _log_train_metrics(self) -> None:
+        store = self._train_metrics
+        shown = set(store.prog_bar)
+        values = store.reduce(self.engine)
+        self.logged_metrics.update(values)
+        self._csv.write({"step": self.position.step, "epoch": self.position.epoch, **values})
+        assert self._bar is not None
+        self._bar.set_metrics({k: v for k, v in values.items() if k in shown})
+
+    def _run_validation(self, loader: Any) -> dict[str, float]:
+        assert self.model is not None
+        limit = self.options.limit_val_batches
+        was_training = self.model.training
+        # Validation must not change the training's random stream (resume replays it exactly).
+        rng = capture_rng()
+        self.model.eval()
+        self._in_validation = True
+        try:
+            with torch.no_grad():
+                for batch_idx, batch in enumerate(loader):
+                    if limit is not None and batch_idx >= limit:
+                        break
+                    if self.engine.device.type != "cpu":
+                        batch = _to_device(batch, self.engine.device)
+                    with self.engine.forward_context():
+                        self._call("validation_step", batch, batch_idx)
+            values = self._val_metrics.reduce(self.engine)
+        finally:
+            self._in_validation = False
+            self.model.train(was_training)
+            restore_rng(rng)
+        self.logged_metrics.update(values)
+        if values:
+            csv_log = getattr(self, "_csv", None)
+            if csv_log is not None:
+                csv_log.write({"step": self.position.step, "epoch": self.position.epoch, **values})
+            self.print(f"validation at step {self.position.step}: {format_metrics(values)}")
+        return values
+
+
+# -------------------------------------------------------------------------------------------------
+# helpers
+# -------------------------------------------------------------------------------------------------
+
+
+def _parse_optimizers(result: Any, model_name: str) -> tuple[list[Any], list[_Scheduler]]:
+    """``configure_optimizers``' result as (optimizers, schedulers), or a clear error."""
+    hint = (
+        f"{model_name}.configure_optimizers() must return an optimizer, a list of optimizers, or "
+        "{'optimizer': opt, 'lr_scheduler': scheduler}"
+    )
+    schedulers: list[_Scheduler] = []
+    if isinstance(result, dict):
+        if "optimizer" not in result:
+            raise ConfigurationError(f"{hint}; the dict has no 'optimizer' key.")
+        optimizers = result["optimizer"]
+        optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        sched = result.get("lr_scheduler")
+        if sched is not None:
+            schedulers.append(_parse_scheduler(sched, hint))
+    elif isinstance(result, (list, tuple)):
+        optimizers = list(result)
+    else:
+        optimizers = [result]
+    if not optimizers or any(not _is_optimizer(o) for o in optimizers):
+        got = "nothing" if result is None or (isinstance(result, (list, tuple)) and not result) else repr(result)
+        raise ConfigurationError(f"{hint}; it returned {got}.")
+    return optimizers, schedulers
+
+
+def _parse_scheduler(sched: Any, hint: str) -> _Scheduler:
+    if isinstance(sched, dict):
+        if "scheduler" not in sched:
+            raise ConfigurationError(f"{hint}; the lr_scheduler dict has no 'scheduler' key.")
+        interval = sched.get("interval", "step")
+        if interval not in ("step", "epoch"):
+            raise ConfigurationError(f"lr_scheduler interval={interval!r}: use 'step' or 'epoch'.")
+        frequency = sched.get("frequency", 1)
+        if not isinstance(frequency, int) or frequency < 1:
+            raise ConfigurationError(f"lr_scheduler frequency={frequency!r}: give a positive integer.")
+        return _Scheduler(sched["scheduler"], interval, frequency)
+    if not hasattr(sched, "step"):
+        raise ConfigurationError(f"{hint}; lr_scheduler {sched!r} has no step().")
+    return _Scheduler(sched)
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer) or (hasattr(obj, "param_groups") and hasattr(obj, "step"))
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigurationError(
+            f"training_step returned {type(output).__name__}; return the loss tensor (or a dict with 'loss')."
+        )
+    return loss
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = _CHECKPOINT_NAME.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: Path) -> bool:
+    from stratagem.checkpoint import METADATA_FILE
+
+    if path.is_file():
+        return path.stat().st_size > 0
+    return path.is_dir() and (path / METADATA_FILE).is_file()
+
+
+def find_last_checkpoint(directory: Path) -> Path | None:
+    """The checkpoint ``directory/last`` names, if complete; else the newest complete ``step-*``."""
+    pointer = directory / LAST_POINTER
+    if pointer.is_file():
+        named = directory / pointer.read_text().strip()
+        if named.name and is_complete(named):
+            return named
+    if not directory.is_dir():
+        return None
+    candidates = sorted(
+        (step, p) for p in directory.iterdir() if (step := checkpoint_step(p)) is not None and is_complete(p)
+    )
+    return candidates[-1][1] if candidates else None
+
+
+def _prune(directory: Path, *, keep: int, protect: str) -> None:
+    checkpoints = sorted((step, p) for p in directory.iterdir() if (step := checkpoint_step(p)) is not None)
+    for _, path in checkpoints[:-keep]:
+        if path.name == protect:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+_TEARDOWN_REGISTERED: set[int] = set()
+
+
+def _register_teardown(engine: Engine) -> None:
+    """Leave the process group when the script ends normally (the Trainer may be used after ``fit``).
+
+    Not after an uncaught exception: the barrier of the teardown would wait for peers that the launcher is
+    stopping anyway.
+    """
+    if id(engine) in _TEARDOWN_REGISTERED:
+        return
+    _TEARDOWN_REGISTERED.add(id(engine))
+    launcher.watch_uncaught()
+
+    def teardown() -> None:
+        if not launcher.uncaught_exception():
+            engine.teardown()
+
+    atexit.register(teardown)
