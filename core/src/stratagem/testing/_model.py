@@ -1,0 +1,124 @@
+"""The model, data and loop the contract suite trains, in every worker and in the one-process reference.
+
+The model has the parts wrap policies look for: an ``Embedding``, ``LayerNorm``\\ s, and ``Block``
+submodules (each passed through :func:`stratagem.wrap`, so a strategy that shards by hand shards them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import stratagem
+
+VOCAB = 24
+SEQUENCE = 6
+WIDTH = 16
+BLOCKS = 2
+#: Samples per rank per micro-batch, and micro-batches per optimizer step (gradient accumulation).
+PER_RANK_BATCH = 4
+ACCUMULATE = 2
+#: Steps before the checkpoint, and after it (the resume check replays these).
+STEPS_BEFORE_SAVE = 3
+STEPS_AFTER_SAVE = 2
+LEARNING_RATE = 1e-2
+#: Low enough that clipping acts on most steps.
+MAX_NORM = 0.5
+MODEL_SEED = 0
+DATA_SEED = 1234
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block: the unit a wrap policy shards."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class ContractModel(nn.Module):
+    """Token embedding, residual blocks, a final norm and a linear head: next-token logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(stratagem.wrap(Block(WIDTH)) for _ in range(BLOCKS))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def build_model(seed: int = MODEL_SEED) -> ContractModel:
+    torch.manual_seed(seed)
+    return ContractModel()
+
+
+def step_batch(world_size: int) -> int:
+    """Samples in one optimizer step over all ranks (the reference's batch)."""
+    return PER_RANK_BATCH * ACCUMULATE * world_size
+
+
+def dataset(world_size: int) -> torch.utils.data.TensorDataset:
+    """Enough samples for every step; the targets follow from the tokens, so the loss falls."""
+    total = step_batch(world_size) * (STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE)
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    tokens = torch.randint(VOCAB, (total, SEQUENCE), generator=generator)
+    targets = (tokens + torch.roll(tokens, 1, dims=1)) % VOCAB
+    return torch.utils.data.TensorDataset(tokens, targets)
+
+
+def plain_state(value: Any) -> Any:
+    """Detached CPU copies of the tensors in a (nested) state dict, so results travel between processes."""
+    if isinstance(value, torch.Tensor):
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: plain_state(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain_state(v) for v in value)
+    return value
+
+
+def reference_run(world_size: int) -> dict[str, Any]:
+    """Train in this process on the global batch with plain PyTorch: what every strategy must reproduce.
+
+    The batch of step ``s`` holds samples ``[s * B, (s + 1) * B)`` with ``B = step_batch(world_size)``:
+    exactly the samples the ranks see in that step through a ``DistributedSampler`` without shuffling.
+    """
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    data = dataset(world_size)
+    size = step_batch(world_size)
+    losses, norms, at_save = [], [], None
+    for step in range(STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE):
+        if step == STEPS_BEFORE_SAVE:
+            at_save = plain_state(model.state_dict())
+        tokens, targets = data[step * size : (step + 1) * size]
+        loss = loss_fn(model(tokens), targets)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params_at_save": at_save,
+        "params_final": plain_state(model.state_dict()),
+    }

@@ -1,0 +1,254 @@
+"""What runs inside the contract suite's worker processes.
+
+Two launches per strategy, each a real multi-process run started by torch's elastic agent:
+
+- phase one: collectives, training from step 0 with a checkpoint in every declared format after
+  ``STEPS_BEFORE_SAVE`` steps, then the remaining steps (the straight run), teardown;
+- phase two, in new processes: load each checkpoint into a freshly built model and resume; load a full
+  checkpoint written by ``single_device``; teardown.
+
+Each section records an error instead of raising, so one broken operation fails its own checks only. The
+results (plain tensors and builtins) go back to the pytest process, which asserts on them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.testing import _model as m
+
+#: Seed of the model each load starts from: different from the saved one, so loading must overwrite it.
+FRESH_SEED = 99
+
+
+def _clean_name(name: str) -> str:
+    from stratagem.engine import _clean_name as clean
+
+    return clean(name)
+
+
+def _clean_optimizer(state: dict[str, Any]) -> dict[str, Any]:
+    cleaned = dict(state)
+    if isinstance(state.get("state"), dict):
+        cleaned["state"] = {_clean_name(k) if isinstance(k, str) else k: v for k, v in state["state"].items()}
+    if isinstance(state.get("param_groups"), list):
+        cleaned["param_groups"] = [
+            {**g, "params": [_clean_name(p) if isinstance(p, str) else p for p in g.get("params", [])]}
+            for g in state["param_groups"]
+        ]
+    return cleaned
+
+
+def full_state(engine: Any, model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
+    """The gathered model and optimizer state (collective: every rank calls it; rank 0 keeps it)."""
+    strategy = engine.strategy
+    params = strategy.module_state_dict(model, full=True)
+    optim = strategy.optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), full=True)
+    if engine.rank != 0:
+        return None
+    return {
+        "params": {_clean_name(k): v for k, v in m.plain_state(dict(params)).items()},
+        "optimizer": _clean_optimizer(m.plain_state(dict(optim))),
+    }
+
+
+def build(engine: Any, seed: int) -> tuple[torch.nn.Module, Any]:
+    with engine.init_module():
+        model = m.build_model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=m.LEARNING_RATE)
+    return engine.setup(model, optimizer)
+
+
+def batches(engine: Any) -> list[Any]:
+    loader = torch.utils.data.DataLoader(
+        m.dataset(engine.world_size), batch_size=m.PER_RANK_BATCH, shuffle=False
+    )
+    return list(engine.setup_dataloaders(loader))
+
+
+def train(
+    engine: Any, model: torch.nn.Module, optimizer: Any, data: list[Any], start: int, steps: int
+) -> tuple[list[float], list[float]]:
+    """``steps`` optimizer steps from step ``start``; each accumulates ``ACCUMULATE`` micro-batches."""
+    losses, norms = [], []
+    for step in range(start, start + steps):
+        micro = data[step * m.ACCUMULATE : (step + 1) * m.ACCUMULATE]
+        total = torch.zeros(())
+        for index, (tokens, targets) in enumerate(micro):
+            with engine.no_sync(model, enabled=index < m.ACCUMULATE - 1):
+                with engine.forward_context():
+                    loss = m.loss_fn(model(tokens), targets) / m.ACCUMULATE
+                engine.backward(loss, model)
+            total += loss.detach().float()
+        norm = engine.clip_gradients(model, optimizer, m.MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(engine.all_reduce(total, "mean")))
+        norms.append(float(norm))
+    return losses, norms
+
+
+def checkpoint_path(workdir: str, fmt: str) -> str:
+    return str(Path(workdir) / ("checkpoint.pt" if fmt == "full" else "checkpoint-sharded"))
+
+
+# -------------------------------------------------------------------------------------------------
+# sections
+# -------------------------------------------------------------------------------------------------
+
+
+def collectives(engine: Any) -> dict[str, Any]:
+    rank, world = engine.rank, engine.world_size
+    x = torch.tensor([rank + 1.0, 2.0 * (rank + 1), -(rank + 1.0)])
+    before = x.clone()
+    out: dict[str, Any] = {
+        "all_reduce": {op: engine.all_reduce(x, op) for op in ("sum", "mean", "max", "min")},
+        "all_reduce_int_sum": engine.all_reduce(torch.tensor([rank + 1, 10 * (rank + 1)]), "sum"),
+        "all_gather_1d": engine.all_gather(torch.arange(rank + 2, dtype=torch.float32) + 10 * rank),
+        "all_gather_2d": engine.all_gather(torch.full((rank + 1, 3), float(rank))),
+        "broadcast": engine.broadcast(
+            {"sender": rank, "items": [rank] * 3, "text": f"from rank {rank}"} if rank == world - 1 else None,
+            src=world - 1,
+        ),
+    }
+    out["input_unchanged"] = torch.equal(x, before)
+    # The last rank to arrive is rank 0, late on purpose: nobody may leave the barrier before it arrives.
+    if rank == 0:
+        time.sleep(0.3)
+        out["barrier_arrived"] = time.time()
+    engine.barrier("stratagem-contract")
+    out["barrier_left"] = time.time()
+    return out
+
+
+def straight_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    model, optimizer = build(engine, m.MODEL_SEED)
+    data = batches(engine)
+    losses, norms = train(engine, model, optimizer, data, 0, m.STEPS_BEFORE_SAVE)
+    torch.manual_seed(1000 + engine.rank)
+    rng = torch.get_rng_state()
+    from stratagem.checkpoint import PerRank
+
+    saved, save_errors = {}, {}
+    for fmt in spec["formats"]:
+        path = checkpoint_path(spec["workdir"], fmt)
+        state = {
+            "model": model,
+            "optimizer": optimizer,
+            "step": m.STEPS_BEFORE_SAVE,
+            "rng": PerRank(rng),
+            "note": "stratagem contract",
+            "extra": torch.arange(3),
+        }
+        try:
+            engine.save(path, state, format=fmt)
+            saved[fmt] = path
+        except Exception:
+            save_errors[fmt] = traceback.format_exc()
+    at_save = full_state(engine, model, optimizer)
+    more_losses, more_norms = train(engine, model, optimizer, data, m.STEPS_BEFORE_SAVE, m.STEPS_AFTER_SAVE)
+    return {
+        "losses": losses + more_losses,
+        "norms": norms + more_norms,
+        "rng": rng,
+        "saved": saved,
+        "save_errors": save_errors,
+        "at_save": at_save,
+        "final": full_state(engine, model, optimizer),
+    }
+
+
+def _load(engine: Any, path: str) -> tuple[torch.nn.Module, Any, dict[str, Any], dict[str, Any] | None]:
+    model, optimizer = build(engine, FRESH_SEED)
+    rest = engine.load(path, {"model": model, "optimizer": optimizer})
+    return model, optimizer, m.plain_state(dict(rest)), full_state(engine, model, optimizer)
+
+
+def resume(engine: Any, spec: dict[str, Any], fmt: str) -> dict[str, Any]:
+    path = checkpoint_path(spec["workdir"], fmt)
+    if not Path(path).exists():
+        raise FileNotFoundError(f"phase one left no {fmt} checkpoint at {path} (its save failed)")
+    model, optimizer, rest, loaded = _load(engine, path)
+    start = int(rest.get("step", 0))
+    losses, norms = train(engine, model, optimizer, batches(engine), start, m.STEPS_AFTER_SAVE)
+    return {
+        "remainder": rest,
+        "loaded": loaded,
+        "losses": losses,
+        "norms": norms,
+        "final": full_state(engine, model, optimizer),
+    }
+
+
+def load_single_device(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    _, _, rest, loaded = _load(engine, spec["single_device_checkpoint"])
+    return {"remainder": rest, "loaded": loaded}
+
+
+def _child_processes() -> list[str] | None:
+    from stratagem.testing._processes import child_processes
+
+    return child_processes(os.getpid())
+
+
+def teardown(engine: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    port = engine.cluster.master_port
+    engine.teardown()
+    return {
+        "process_group_alive": dist.is_available() and dist.is_initialized(),
+        "children": _child_processes(),
+        "master_port": port,
+    }
+
+
+# -------------------------------------------------------------------------------------------------
+# entry point
+# -------------------------------------------------------------------------------------------------
+
+
+def _section(result: dict[str, Any], name: str, function: Callable[[], Any]) -> None:
+    try:
+        result[name] = function()
+    except Exception:
+        result["errors"][name] = traceback.format_exc()
+
+
+def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one phase in this worker; return this rank's results."""
+    from stratagem.engine import Engine
+    from stratagem.testing._recorder import HookRecorder
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    recorder = HookRecorder()
+    engine = Engine(
+        strategy=spec["strategy"],
+        accelerator="cpu",
+        devices=spec["world_size"],
+        precision=spec["precision"],
+        timeout=spec["timeout"],
+        addons=[recorder],
+    )
+    engine.setup_environment()
+    result: dict[str, Any] = {"rank": engine.rank, "pid": os.getpid(), "errors": {}}
+    if spec["phase"] == 1:
+        _section(result, "collectives", lambda: collectives(engine))
+        if spec["train"]:
+            _section(result, "straight", lambda: straight_run(engine, spec))
+    else:
+        if spec["train"]:
+            for fmt in spec["formats"]:
+                _section(result, f"resume_{fmt}", lambda fmt=fmt: resume(engine, spec, fmt))
+            _section(result, "single_device", lambda: load_single_device(engine, spec))
+    _section(result, "teardown", lambda: teardown(engine))
+    result["calls"] = recorder.snapshot()
+    return result
