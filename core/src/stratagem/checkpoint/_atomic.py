@@ -60,13 +60,57 @@ def remove(path: Path) -> None:
             path.unlink()
 
 
+def _written(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return 0
+
+
+def explain_write_failure(tmp: Path, error: BaseException) -> str:
+    """Why writing ``tmp`` failed, in words; torch's own writer reports a full disk as "unexpected pos"."""
+    text = f"{type(error).__name__}: {error}"
+    code = getattr(error, "errno", None)
+    written = _written(tmp)
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        free = None
+    limit = resource_file_size_limit()
+    if code == errno.ENOSPC or (free is not None and free < 1 << 20 and code is None):
+        return (
+            f"{text} (the file system is full: {free} bytes free after writing {written} bytes of the "
+            "checkpoint). Free some space or save elsewhere."
+        )
+    if code == errno.EFBIG or (limit is not None and written >= limit):
+        return f"{text} (the file size limit, ulimit -f, is {limit} bytes). Raise it or save elsewhere."
+    return text
+
+
+def resource_file_size_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+class WriteError(OSError):
+    """Writing a checkpoint's temporary failed; the message says why in words."""
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary sibling of ``path``; on success it replaces ``path`` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(path)
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as error:
+            raise WriteError(explain_write_failure(tmp, error)) from error
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)

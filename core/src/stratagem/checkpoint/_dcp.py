@@ -17,6 +17,16 @@ import torch
 
 from stratagem.errors import CheckpointError
 
+
+def _errors() -> tuple[type[BaseException], ...]:
+    # DCP's CheckpointException derives from BaseException, so ``except Exception`` lets it through.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+ERRORS = _errors()
+
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",

@@ -126,6 +126,13 @@ def _prepare_target(target: Path, fmt: str) -> None:
         raise CheckpointError(target, "is a directory; a full checkpoint is one file. Choose another path.")
     if fmt == "sharded" and target.is_file():
         raise CheckpointError(target, "is a file; a sharded checkpoint is a directory. Choose another path.")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CheckpointError(
+                    target, f"cannot be created: {parent} is a file, not a directory. Choose another path."
+                )
+            break
     _atomic.recover(target)
     _atomic.remove_stale_temporaries(target)
 
@@ -199,16 +206,22 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
 
         def write_shards() -> None:
             # DCP runs its own agreement inside save and raises on every rank if any rank failed.
-            with _single_process_quiet():
-                dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
+            try:
+                with _single_process_quiet():
+                    dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
+            except _dcp.ERRORS as error:
+                raise _atomic.WriteError(_atomic.explain_write_failure(tmp, error)) from error
 
         _, error = _attempt(write_shards)
         _agree(strategy, target, error)
 
         def write_rest() -> None:
-            torch.save(plain, tmp / STATE_FILE)
-            meta = metadata(strategy, "sharded", parts)
-            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+            try:
+                torch.save(plain, tmp / STATE_FILE)
+                meta = metadata(strategy, "sharded", parts)
+                (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+            except Exception as error:
+                raise _atomic.WriteError(_atomic.explain_write_failure(tmp, error)) from error
             _atomic.publish_directory(tmp, target)
 
         if strategy.is_global_zero:
@@ -405,7 +418,7 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
             )
     except CheckpointError as error:
         raise CheckpointError(path, error.problem) from error
-    except Exception as error:
+    except _dcp.ERRORS as error:
         raise CheckpointError(path, f"could not be read: {error}") from error
     for key, module in parts.modules.items():
         if key in target["model"]:
