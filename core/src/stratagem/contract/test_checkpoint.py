@@ -31,13 +31,29 @@ def require_format(run: Any, fmt: str) -> None:
         pytest.fail(f"saving a {fmt} checkpoint failed:\n{straight['save_errors'][fmt]}", pytrace=False)
 
 
+def optimizer_state_problems(full: dict, what: str) -> list[str]:
+    """AdamW has stepped: every parameter must have its step count and both moments."""
+    state = full["optimizer"].get("state", {})
+    missing = sorted(
+        name for name in full["params"] if not {"step", "exp_avg", "exp_avg_sq"} <= set(state.get(name, {}))
+    )
+    if not missing:
+        return []
+    return [
+        f"{what}: expected AdamW state (step, exp_avg, exp_avg_sq) for all {len(full['params'])} parameters "
+        f"after {m.STEPS_BEFORE_SAVE} steps, got none for {len(missing)}: {', '.join(missing[:4])}"
+        + (", ..." if len(missing) > 4 else "")
+    ]
+
+
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_round_trip(contract_run: Any, fmt: str) -> None:
     require_format(contract_run, fmt)
     saved = section(contract_run, 1, "straight")
     loaded = section(contract_run, 2, f"resume_{fmt}")
     what = f"{fmt} checkpoint saved after {m.STEPS_BEFORE_SAVE} steps, loaded in new processes"
-    problems = compare(saved[0]["at_save"]["params"], loaded[0]["loaded"]["params"], "model state")
+    problems = optimizer_state_problems(saved[0]["at_save"], "optimizer_state_dict(full=True) before saving")
+    problems += compare(saved[0]["at_save"]["params"], loaded[0]["loaded"]["params"], "model state")
     problems += compare(saved[0]["at_save"]["optimizer"], loaded[0]["loaded"]["optimizer"], "optimizer state")
     for rank, data in loaded.items():
         rest = data["remainder"]
