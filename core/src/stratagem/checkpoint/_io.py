@@ -322,11 +322,25 @@ def _apply(path: Path, what: str, function: Any, *args: Any, **kwargs: Any) -> N
         raise CheckpointError(path, f"could not load {what}: {type(error).__name__}: {error}") from error
 
 
-def _without_params(osd: dict[str, Any], names: set[str]) -> dict[str, Any]:
-    """An optimizer state dict (keyed by parameter name) without the state of ``names``."""
-    if not names or not isinstance(osd.get("state"), dict):
-        return osd
-    return {**osd, "state": {k: v for k, v in osd["state"].items() if k not in names}}
+def _fitting_optimizer_state(
+    strategy: Any, owner: Any, optimizer: Any, saved: dict[str, Any], dropped: set[str], full: bool
+) -> dict[str, Any]:
+    """With ``strict=False``: the saved optimizer state, except that parameters whose saved state does not
+    fit (dropped from the model's load) or is missing keep the optimizer's current state."""
+    current = strategy.optimizer_state_dict(owner, optimizer, full=full)
+    if not isinstance(saved.get("state"), dict) or not isinstance(current.get("state"), dict):
+        return saved
+    state = {k: v for k, v in saved["state"].items() if k not in dropped and k in current["state"]}
+    for name, value in current["state"].items():
+        state.setdefault(name, value)
+    groups = current.get("param_groups", [])
+    if len(saved.get("param_groups", [])) == len(groups):
+        # The current groups' keys (a scheduler adds some), the saved values where the checkpoint has them.
+        groups = [
+            {**c, **{k: v for k, v in s.items() if k in c and k != "params"}}
+            for s, c in zip(saved["param_groups"], groups)
+        ]
+    return {**saved, "state": state, "param_groups": groups}
 
 
 def _load_full(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[str, Any]:
@@ -353,7 +367,11 @@ def _load_full(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[st
                 raise CheckpointError(path, f"has no optimizer {key!r}; it holds {sorted(optimizers)}.")
             continue
         owner = owner_of(optimizer, parts.modules)
-        osd = _without_params(optimizers[key], dropped.get(id(owner), set()))
+        osd = optimizers[key]
+        if not strict:
+            osd = _fitting_optimizer_state(
+                strategy, owner, optimizer, osd, dropped.get(id(owner), set()), True
+            )
         _apply(
             path, f"optimizer {key!r}", strategy.load_optimizer_state_dict, owner, optimizer, osd, full=True
         )
@@ -388,6 +406,7 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
     shapes = saved_tensor_shapes(path)
     target: dict[str, Any] = {"model": {}, "optimizers": {}}
     dropped: dict[int, set[str]] = {}
+    kept: dict[str, dict[str, Any]] = {}
     for key, module in parts.modules.items():
         prefix = f"model.{key}."
         saved = {k[len(prefix) :]: v for k, v in shapes.items() if k.startswith(prefix)}
@@ -407,7 +426,12 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
             continue
         owner = owner_of(optimizer, parts.modules)
         osd = strategy.optimizer_state_dict(owner, optimizer, full=False)
-        target["optimizers"][key] = _without_params(osd, dropped.get(id(owner), set()))
+        drop = dropped.get(id(owner), set())
+        if drop and isinstance(osd.get("state"), dict):
+            # Read the saved state only of parameters that fit; the others keep their current state.
+            kept[key] = {k: v for k, v in osd["state"].items() if k in drop}
+            osd = {**osd, "state": {k: v for k, v in osd["state"].items() if k not in drop}}
+        target["optimizers"][key] = osd
     try:
         with _single_process_quiet():
             dcp.load(
@@ -431,6 +455,8 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
                 full=False,
                 strict=strict,
             )
+    for key, state in kept.items():
+        target["optimizers"][key]["state"].update(state)
     for key, optimizer in parts.optimizers.items():
         if key in target["optimizers"]:
             _apply(
