@@ -224,6 +224,14 @@ class Strategy:
     ) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        if full and not any(
+            isinstance(v, torch.Tensor) and v.dim() > 0
+            for per_param in (state_dict.get("state") or {}).values()
+            for v in (per_param.values() if isinstance(per_param, dict) else ())
+        ):
+            # torch redistributes a full state dict by the device of the optimizer's tensors and fails when
+            # there are none (SGD without momentum); without tensors there is nothing to redistribute.
+            full = False
         set_optimizer_state_dict(
             module, optimizer, state_dict, options=StateDictOptions(full_state_dict=full)
         )
