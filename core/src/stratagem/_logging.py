@@ -32,7 +32,9 @@ class MetricStore:
 
     def add(self, name: str, value: Any, *, reduce: str = "mean", prog_bar: bool = True) -> None:
         if reduce not in _REDUCE_OPS:
-            raise ConfigurationError(f"log({name!r}, reduce={reduce!r}): use one of {', '.join(_REDUCE_OPS)}.")
+            raise ConfigurationError(
+                f"log({name!r}, reduce={reduce!r}): use one of {', '.join(_REDUCE_OPS)}."
+            )
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ConfigurationError(
@@ -48,7 +50,9 @@ class MetricStore:
             self._values[name] = previous + value
             self._counts[name] += 1
         else:
-            self._values[name] = torch.maximum(previous, value) if reduce == "max" else torch.minimum(previous, value)
+            self._values[name] = (
+                torch.maximum(previous, value) if reduce == "max" else torch.minimum(previous, value)
+            )
         if prog_bar:
             self.prog_bar.add(name)
 
@@ -81,7 +85,9 @@ class MetricStore:
 
 def _check_same_names(engine: Engine, names: list[str]) -> None:
     digest = float(zlib.crc32("\0".join(names).encode()))
-    agreed = engine.all_reduce(torch.tensor([digest, -digest], dtype=torch.float64, device=engine.device), "max")
+    agreed = engine.all_reduce(
+        torch.tensor([digest, -digest], dtype=torch.float64, device=engine.device), "max"
+    )
     if agreed[0].item() != digest or -agreed[1].item() != digest:
         raise ConfigurationError(
             f"Rank {engine.rank} logged {names}, but other ranks logged different names. Log the same metrics "
@@ -103,7 +109,11 @@ class CsvLog:
         if not self.enabled or not self.path.is_file():
             return
         with self.path.open(newline="") as file:
-            rows = [row for row in csv.DictReader(file) if row.get("step", "").isdigit() and int(row["step"]) <= step]
+            rows = [
+                row
+                for row in csv.DictReader(file)
+                if row.get("step", "").isdigit() and int(row["step"]) <= step
+            ]
         self._rows = [{k: v for k, v in row.items() if v not in ("", None)} for row in rows]
         self._columns = []
         for row in self._rows:

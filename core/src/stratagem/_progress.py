@@ -87,7 +87,11 @@ class ProgressBar:
     def line(self, now: float | None = None) -> str:
         rate, eta = self._rate_eta(time.monotonic() if now is None else now)
         total = self.total if self.total is not None else "?"
-        parts = [f"{self._description} step {self.step}/{total}", f"{rate:.2f} it/s", f"ETA {_format_eta(eta)}"]
+        parts = [
+            f"{self._description} step {self.step}/{total}",
+            f"{rate:.2f} it/s",
+            f"ETA {_format_eta(eta)}",
+        ]
         if self._metrics:
             parts.append(format_metrics(self._metrics))
         return " | ".join(parts)

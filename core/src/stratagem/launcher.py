@@ -58,13 +58,18 @@ def _environment(extra: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def worker_environment(accelerator: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def worker_environment(
+    accelerator: str, extra: Mapping[str, str] | None = None, nproc_per_node: int = 1
+) -> dict[str, str]:
     env = {WORKER_ENV: "1", **(extra or {})}
     if accelerator == "cpu":
         for key, value in CPU_ALLOCATOR_ENV.items():
             # The user's own setting wins.
             if key not in os.environ:
                 env[key] = value
+        if "OMP_NUM_THREADS" not in os.environ:
+            # N workers each starting one compute thread per core would fight over the cores.
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
     return env
 
 
@@ -201,7 +206,7 @@ def launch_function(
     return _run(
         _call_recording,
         [fn, *args],
-        worker_environment(accelerator, env),
+        worker_environment(accelerator, env, nproc_per_node),
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         node_rank=node_rank,
@@ -230,7 +235,7 @@ def launch_script(
     _run(
         command[0],
         command[1:],
-        worker_environment(accelerator, env),
+        worker_environment(accelerator, env, nproc_per_node),
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         node_rank=node_rank,

@@ -379,8 +379,9 @@ class Trainer:
         target = Path(ckpt_path)
         if not target.exists() and not target.with_name(target.name + ".stratagem-old").exists():
             raise CheckpointError(
-                target, 'does not exist. Pass an existing checkpoint, "last" (the newest under '
-                "default_root_dir, if any), or None to start fresh."
+                target,
+                'does not exist. Pass an existing checkpoint, "last" (the newest under '
+                "default_root_dir, if any), or None to start fresh.",
             )
 
     def _check_optimizers_before_launch(self, model: Module) -> None:
@@ -414,9 +415,7 @@ class Trainer:
     def _setup(self, model: Module, *, with_optimizers: bool) -> None:
         engine = self.engine
         if self.module is not None and model is not self.module:
-            raise ConfigurationError(
-                "This Trainer already trains another model; make one Trainer per model."
-            )
+            raise ConfigurationError("This Trainer already trains another model; make one Trainer per model.")
         first = self.model is None
         if first:
             engine.setup_environment()
@@ -482,8 +481,9 @@ class Trainer:
         progress = rest.get("progress")
         if not isinstance(progress, dict):
             raise CheckpointError(
-                path, "holds no training position (it was not written by Trainer.save_checkpoint); load it "
-                "with Engine.load, or start fit() without ckpt_path."
+                path,
+                "holds no training position (it was not written by Trainer.save_checkpoint); load it "
+                "with Engine.load, or start fit() without ckpt_path.",
             )
         self.position = _Position(**{k: int(v) for k, v in progress.items()})
         self._resume = {"rng": rest.get("rng"), "epoch_rng": rest.get("epoch_rng")}
@@ -625,7 +625,11 @@ class Trainer:
             self._log_train_metrics()
         assert self._bar is not None
         self._bar.update(position.step)
-        if val_loader is not None and opts.val_check_interval and position.step % opts.val_check_interval == 0:
+        if (
+            val_loader is not None
+            and opts.val_check_interval
+            and position.step % opts.val_check_interval == 0
+        ):
             self._run_validation(val_loader)
         if opts.checkpoint_every_n_steps and position.step % opts.checkpoint_every_n_steps == 0:
             self._save_periodic()
@@ -722,7 +726,11 @@ def _parse_optimizers(result: Any, model_name: str) -> tuple[list[Any], list[_Sc
     else:
         optimizers = [result]
     if not optimizers or any(not _is_optimizer(o) for o in optimizers):
-        got = "nothing" if result is None or (isinstance(result, (list, tuple)) and not result) else repr(result)
+        got = (
+            "nothing"
+            if result is None or (isinstance(result, (list, tuple)) and not result)
+            else repr(result)
+        )
         raise ConfigurationError(f"{hint}; it returned {got}.")
     return optimizers, schedulers
 
@@ -817,7 +825,10 @@ def _register_teardown(engine: Engine) -> None:
     launcher.watch_uncaught()
 
     def teardown() -> None:
-        if not launcher.uncaught_exception():
+        if launcher.uncaught_exception():
+            return
+        # A peer that failed makes the barrier fail here too; the launcher reports that peer's error.
+        with contextlib.suppress(Exception):
             engine.teardown()
 
     atexit.register(teardown)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 OPTION = "--stratagem-strategy"
+_NAMES = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -28,6 +29,8 @@ def pytest_configure(config: Any) -> None:
     # The suite runs in other projects too, whose settings may be --strict-markers without ours.
     config.addinivalue_line("markers", "multiprocess: starts real worker processes over gloo")
     config.addinivalue_line("markers", "timeout(seconds): fail a test that runs longer (pytest-timeout)")
+    # Checked now, so that a wrong name is one clear usage error rather than an error per test module.
+    config.stash[_NAMES] = selected_strategies(config)
 
 
 def selected_strategies(config: Any) -> list[str]:
@@ -53,7 +56,7 @@ def selected_strategies(config: Any) -> list[str]:
 
 def pytest_generate_tests(metafunc: Any) -> None:
     if "stratagem_strategy" in metafunc.fixturenames:
-        names = selected_strategies(metafunc.config)
+        names = metafunc.config.stash[_NAMES]
         # Session scope: every check of one strategy shares one pair of launches.
         metafunc.parametrize("stratagem_strategy", names, ids=names, scope="session")
 

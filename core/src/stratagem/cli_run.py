@@ -1,0 +1,111 @@
+"""``stratagem run`` (start a script in N workers, also across nodes) and ``stratagem demo``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from stratagem import cli
+
+
+def _add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a training script in N worker processes (torch's elastic agent)",
+        description="Start SCRIPT in --devices workers per node with the rank environment set. For several "
+        "nodes, run the same command on each with its --node-rank and the same --rdzv-endpoint.",
+    )
+    p.add_argument(
+        "--strategy", default=None, help="strategy for Engine/Trainer(strategy='auto') in the script"
+    )
+    p.add_argument("--devices", type=int, default=1, help="workers per node (default 1)")
+    p.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's index (0 hosts the rendezvous)")
+    p.add_argument(
+        "--rdzv-endpoint", default=None, help="host:port of the rendezvous, the same on every node"
+    )
+    p.add_argument("script", help="the script to run (or -m followed by a module)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+    d = sub.add_parser(
+        "demo",
+        help="train a small transformer LM on text shipped with stratagem (checkpoint, resume, memory report)",
+    )
+    d.add_argument("--strategy", default="auto")
+    d.add_argument("--devices", type=int, default=1)
+    d.add_argument("--steps", type=int, default=200)
+    d.add_argument("--accelerator", default="cpu", choices=["auto", "cpu", "cuda"])
+    d.add_argument("--precision", default="32-true")
+    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument(
+        "--root-dir", default=None, help="keep checkpoints and metrics.csv here (default: a temp dir)"
+    )
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-progress-bar", action="store_true")
+
+
+cli._PARSER_EXTENSIONS.append(_add_parsers)
+
+
+def _check_positive(name: str, value: int) -> None:
+    from stratagem.errors import ConfigurationError
+
+    if value < 1:
+        raise ConfigurationError(f"{name} {value}: give a positive number.")
+
+
+@cli.command("run")
+def _run(args: argparse.Namespace) -> int:
+    from stratagem import launcher
+    from stratagem.cluster import resolve_accelerator
+    from stratagem.engine import STRATEGY_ENV
+    from stratagem.errors import ConfigurationError
+
+    _check_positive("--devices", args.devices)
+    _check_positive("--nnodes", args.nnodes)
+    if args.script == "-m":
+        if not args.args:
+            raise ConfigurationError("stratagem run -m needs a module name.")
+        command = [sys.executable, "-m", *args.args]
+    else:
+        if not os.path.isfile(args.script):
+            raise ConfigurationError(f"{args.script}: no such script.")
+        command = [sys.executable, args.script, *args.args]
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise ConfigurationError("--nnodes > 1 needs --rdzv-endpoint host:port (the same on every node).")
+    env = {}
+    if args.strategy:
+        from stratagem._manager import get_registry
+
+        get_registry().get(args.strategy)  # an unknown name fails here, naming the installed ones
+        env[STRATEGY_ENV] = args.strategy
+    launcher.launch_script(
+        command,
+        nproc_per_node=args.devices,
+        accelerator=resolve_accelerator(args.accelerator),
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        env=env,
+    )
+    return 0
+
+
+@cli.command("demo")
+def _demo(args: argparse.Namespace) -> int:
+    from stratagem.demo.lm import run
+
+    run(
+        strategy=args.strategy,
+        devices=args.devices,
+        steps=args.steps,
+        accelerator=args.accelerator,
+        precision=args.precision,
+        batch_size=args.batch_size,
+        root_dir=args.root_dir,
+        seed=args.seed,
+        progress_bar=not args.no_progress_bar,
+    )
+    return 0

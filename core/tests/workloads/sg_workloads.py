@@ -1,0 +1,267 @@
+"""Models, a minimal gradient-averaging strategy and a training script shared by the core's tests.
+
+Run as a script it trains with the Trainer and writes what the tests compare (parameters, optimizer state,
+losses) to ``--out``; the same file is imported by tests for in-process references and by spawned workers
+(``Engine.launch``), so it lives on ``sys.path`` under a name no other package uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import stratagem as sg
+from stratagem import hookimpl
+from stratagem.strategies import TorchDistributedStrategy
+
+FEATURES = 6
+
+
+class GradAverage(TorchDistributedStrategy):
+    """Gradient averaging after each backward outside ``no_sync`` (what DDP does, without its buckets)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.syncing = True
+        self.synced_backwards = 0
+        self.skipped_backwards = 0
+
+    @hookimpl
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
+        loss.backward()
+        if not self.syncing:
+            self.skipped_backwards += 1
+            return
+        self.synced_backwards += 1
+        if dist.is_initialized():
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+
+    @hookimpl
+    def no_sync(self, model: torch.nn.Module) -> Any:
+        @contextlib.contextmanager
+        def paused() -> Any:
+            self.syncing = False
+            try:
+                yield
+            finally:
+                self.syncing = True
+
+        return paused()
+
+
+def dataset(n: int = 96, seed: int = 1234) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    w = torch.randn(FEATURES, 1, generator=g)
+    return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
+
+
+class Regression(sg.Module):
+    def __init__(self, dropout: float = 0.0, optimizer: str = "sgd", scheduler: bool = False) -> None:
+        super().__init__()
+        self.dropout, self.optimizer_name, self.scheduler = dropout, optimizer, scheduler
+        self.losses: list[float] = []
+        self.extra_counter = 0
+
+    def configure_model(self) -> None:
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, 32),
+            torch.nn.Tanh(),
+            torch.nn.Dropout(self.dropout),
+            torch.nn.Linear(32, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        # A draw from every RNG on every step: an exact resume must restore all of them.
+        noise = torch.rand(()) * 1e-3 + float(torch.tensor(__import__("numpy").random.rand())) * 1e-3
+        noise = noise + __import__("random").random() * 1e-3
+        loss = torch.nn.functional.mse_loss(self(x), y) + (noise if self.dropout else 0.0)
+        self.losses.append(loss.item())
+        self.extra_counter += 1
+        self.log("mse", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_mse", torch.nn.functional.mse_loss(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if not self.scheduler:
+            return opt
+        return {
+            "optimizer": opt,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7),
+        }
+
+    def on_save_checkpoint(self, extras: dict[str, Any]) -> None:
+        extras["extra_counter"] = self.extra_counter
+
+    def on_load_checkpoint(self, extras: dict[str, Any]) -> None:
+        self.extra_counter = extras["extra_counter"]
+
+
+def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
+    """What the tests compare, gathered to plain tensors."""
+    assert trainer.model is not None
+    optimizer = trainer.optimizers[0].optimizer
+    return {
+        "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "losses": list(module.losses),
+        "step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "extra_counter": module.extra_counter,
+        "lr": [g["lr"] for g in optimizer.param_groups],
+        "world_size": trainer.engine.world_size,
+    }
+
+
+def make_strategy(name: str, timeout: float) -> Any:
+    return GradAverage(timeout=timeout) if name == "gradavg" else name
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="gradavg")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--accumulate", type=int, nargs="+", default=[1])
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--shuffle", action="store_true")
+    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--scheduler", action="store_true")
+    p.add_argument("--root", default="runs")
+    p.add_argument("--ckpt-every", type=int, default=None)
+    p.add_argument("--ckpt-path", default=None)
+    p.add_argument("--format", default=None)
+    p.add_argument("--keep-last-k", type=int, default=None)
+    p.add_argument("--val", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--fail", choices=["raise", "kill"], default=None)
+    p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=60.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    torch.use_deterministic_algorithms(True)
+    data = dataset()
+    results = []
+    for i, accumulate in enumerate(args.accumulate):
+        trainer = sg.Trainer(
+            strategy=make_strategy(args.strategy, args.timeout),
+            accelerator="cpu",
+            devices=args.devices,
+            max_steps=args.steps,
+            accumulate_grad_batches=accumulate,
+            default_root_dir=Path(args.root) / f"run{i}",
+            checkpoint_every_n_steps=args.ckpt_every,
+            checkpoint_format=args.format,
+            keep_last_k=args.keep_last_k,
+            seed=7,
+            log_every_n_steps=2,
+            val_check_interval=3 if args.val else None,
+            timeout=args.timeout,
+        )
+        module = Regression(dropout=args.dropout, optimizer=args.optimizer, scheduler=args.scheduler)
+        if args.fail is not None:
+            module.training_step = _failing(module.training_step, trainer, args)  # type: ignore[method-assign]
+        loader = DataLoader(data, batch_size=args.batch, shuffle=args.shuffle)
+        val = DataLoader(data, batch_size=16) if args.val else None
+        trainer.fit(module, loader, val, ckpt_path=args.ckpt_path)
+        result = snapshot(trainer, module)
+        strategy = trainer.strategy
+        result["synced_backwards"] = getattr(strategy, "synced_backwards", None)
+        result["skipped_backwards"] = getattr(strategy, "skipped_backwards", None)
+        result["logged"] = dict(trainer.logged_metrics)
+        result["rank"] = trainer.engine.rank
+        results.append(result)
+    rank = int(os.environ.get("RANK", "0"))
+    if args.out:
+        torch.save(results, f"{args.out}.rank{rank}")
+
+
+def _failing(step: Any, trainer: sg.Trainer, args: argparse.Namespace) -> Any:
+    def training_step(batch: Any, batch_idx: int) -> Any:
+        if trainer.global_step == 3 and trainer.engine.rank == args.fail_rank:
+            if args.fail == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"deliberate failure on rank {trainer.engine.rank}")
+        return step(batch, batch_idx)
+
+    return training_step
+
+
+# Engine.launch(fn) workers ----------------------------------------------------------------------------
+
+
+def collectives_and_loop(
+    engine: sg.Engine, accumulations: list[int], steps: int, batch: int
+) -> dict[str, Any]:
+    """Collectives, the sampler injection and a hand-written loop through the Engine, in every worker."""
+    out: dict[str, Any] = {"rank": engine.rank, "world_size": engine.world_size}
+    t = torch.tensor([float(engine.rank + 1)])
+    out["sum"] = engine.all_reduce(t, "sum").item()
+    out["mean"] = engine.all_reduce(t, "mean").item()
+    out["max"] = engine.all_reduce(t, "max").item()
+    out["gather"] = [g.tolist() for g in engine.all_gather(torch.arange(engine.rank + 2))]
+    out["broadcast"] = engine.broadcast({"from": engine.rank}, src=1)
+    engine.barrier("checks")
+    loader = engine.setup_dataloaders(DataLoader(dataset(), batch_size=batch))
+    out["sampler"] = type(loader.sampler).__name__
+    out["indices"] = list(iter(loader.sampler))
+    out["runs"] = {}
+    for accumulate in accumulations:
+        engine.seed_everything(7)
+        module = Regression()
+        with engine.init_module():
+            module.configure_model()
+        optimizer = module.configure_optimizers()
+        model, optimizer = engine.setup(module, optimizer)
+        batches = iter(loader)
+        for _ in range(steps):
+            for micro in range(accumulate):
+                x, y = next(batches)
+                with engine.no_sync(model, enabled=micro < accumulate - 1):
+                    with engine.forward_context():
+                        loss = torch.nn.functional.mse_loss(model(x), y)
+                    engine.backward(loss / accumulate, model)
+            optimizer.step()
+            optimizer.zero_grad()
+        out["runs"][accumulate] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    out["synced"] = engine.strategy.synced_backwards
+    out["skipped"] = engine.strategy.skipped_backwards
+    return out
+
+
+def raise_on_rank_one(engine: sg.Engine) -> None:
+    engine.barrier("before")
+    if engine.rank == 1:
+        raise ValueError("worker one gives up")
+    engine.barrier("never completes")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
