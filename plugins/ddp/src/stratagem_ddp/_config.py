@@ -112,7 +112,9 @@ def _is_period(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 def _is_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in BACKENDS:
-        raise _fail(attribute.name, value, "use 'gloo' (CPU), 'nccl' (CUDA), or None for the cluster's default.")
+        raise _fail(
+            attribute.name, value, "use 'gloo' (CPU), 'nccl' (CUDA), or None for the cluster's default."
+        )
 
 
 def _is_timeout(instance: Any, attribute: attrs.Attribute, value: Any) -> None:

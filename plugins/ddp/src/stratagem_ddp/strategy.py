@@ -118,7 +118,9 @@ class DDPStrategy(TorchDistributedStrategy):
         inner, averager = unwrap(optimizer)
         state_dict = dict(state_dict)
         step = state_dict.pop(AVERAGER_STEP_KEY, None)
-        Strategy.load_optimizer_state_dict(self, module, inner, state_dict, full=full)
+        # Every rank holds a full replica, so the full state dict is also this rank's own: load it as such,
+        # with no redistribution between ranks.
+        Strategy.load_optimizer_state_dict(self, module, inner, state_dict, full=False)
         if averager is not None and step is not None:
             averager.step = int(step)
 
@@ -135,12 +137,10 @@ def replicate(model: torch.nn.Module, device: torch.device, config: DDPConfig) -
             "ddp needs a process group: set the model up through an Engine or Trainer (which joins it), "
             "or call torch.distributed.init_process_group first."
         )
-    device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
-    return DistributedDataParallel(
-        model,
-        device_ids=device_ids if device.type == "cuda" else None,
-        **config.ddp_arguments(),
-    )
+    device_ids = None
+    if device.type == "cuda":
+        device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
+    return DistributedDataParallel(model, device_ids=device_ids, **config.ddp_arguments())
 
 
 def register_comm_hook(model: DistributedDataParallel, config: DDPConfig) -> None:
