@@ -146,7 +146,6 @@ def failures_and_reshard(engine: sg.Engine, directory: str) -> dict[str, Any]:
     root = Path(directory)
     model, optimizer = trained(seed=0)  # identical on every rank
     reference = trained(seed=0)
-    model, optimizer = engine.setup(model, optimizer)
     good = {"model": model, "optimizer": optimizer, "step": 3, "rng": sg.PerRank(torch.tensor([engine.rank]))}
     engine.save(root / "good.pt", good, format="full")
     engine.save(root / "good-dir", good, format="sharded")

@@ -68,9 +68,9 @@ def _written(path: Path) -> int:
     return 0
 
 
-def explain_write_failure(tmp: Path, error: BaseException) -> str:
+def explain_write_failure(tmp: Path, error: BaseException, text: str | None = None) -> str:
     """Why writing ``tmp`` failed, in words; torch's own writer reports a full disk as "unexpected pos"."""
-    text = f"{type(error).__name__}: {error}"
+    text = text or f"{type(error).__name__}: {error}"
     code = getattr(error, "errno", None)
     written = _written(tmp)
     try:

@@ -27,6 +27,19 @@ def _errors() -> tuple[type[BaseException], ...]:
 
 ERRORS = _errors()
 
+
+def describe(error: BaseException) -> str:
+    """One line per failing rank for DCP's exception (its own text is every rank's full traceback)."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict):
+        return f"{type(error).__name__}: {error}"
+    parts = []
+    for rank, pair in sorted(failures.items()):
+        exc = pair[0] if isinstance(pair, tuple) else pair
+        parts.append(f"rank {rank} failed in torch.distributed.checkpoint: {type(exc).__name__}: {exc}")
+    return "; ".join(parts)
+
+
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",

@@ -57,7 +57,13 @@ def _agree(strategy: Any, path: Path, error: BaseException | None) -> None:
         ) from error
     mine = None if error is None else _describe(error)
     messages = [strategy.broadcast(mine, src) for src in range(strategy.world_size)]
-    detail = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    ranks_of: dict[str, list[int]] = {}
+    for rank, message in enumerate(messages):
+        if message is not None:
+            ranks_of.setdefault(message, []).append(rank)
+    detail = "; ".join(
+        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}" for m, r in ranks_of.items()
+    )
     raise CheckpointError(
         path, f"failed ({detail}). The previous checkpoint at this path is untouched."
     ) from error
@@ -210,7 +216,9 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
                 with _single_process_quiet():
                     dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
             except _dcp.ERRORS as error:
-                raise _atomic.WriteError(_atomic.explain_write_failure(tmp, error)) from error
+                raise _atomic.WriteError(
+                    _atomic.explain_write_failure(tmp, error, _dcp.describe(error))
+                ) from error
 
         _, error = _attempt(write_shards)
         _agree(strategy, target, error)
@@ -443,7 +451,7 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
     except CheckpointError as error:
         raise CheckpointError(path, error.problem) from error
     except _dcp.ERRORS as error:
-        raise CheckpointError(path, f"could not be read: {error}") from error
+        raise CheckpointError(path, f"could not be read: {_dcp.describe(error)}") from error
     for key, module in parts.modules.items():
         if key in target["model"]:
             _apply(

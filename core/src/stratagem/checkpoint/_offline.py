@@ -148,7 +148,7 @@ def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path 
         except CheckpointError as error:
             raise CheckpointError(source, error.problem) from error
         except _dcp.ERRORS as error:
-            raise CheckpointError(source, f"could not be read: {error}") from error
+            raise CheckpointError(source, f"could not be read: {_dcp.describe(error)}") from error
         mapping = index.planner_data or {key: (key,) for key in flat}
         nested = unflatten_state_dict(flat, mapping)
         payload = {
