@@ -91,6 +91,9 @@ class Regression(sg.Module):
         # A draw from every RNG on every step: an exact resume must restore all of them.
         noise = torch.rand(()) * 1e-3 + float(torch.tensor(__import__("numpy").random.rand())) * 1e-3
         noise = noise + __import__("random").random() * 1e-3
+        trainer = self.trainer
+        if trainer is not None:
+            torch.rand(1 + trainer.engine.rank)  # ranks' streams drift apart: each needs its own state back
         loss = torch.nn.functional.mse_loss(self(x), y) + (noise if self.dropout else 0.0)
         self.losses.append(loss.item())
         self.extra_counter += 1
