@@ -1,0 +1,102 @@
+"""Launching and failing: a worker that raises or is killed ends the whole run quickly, the failing rank and
+its traceback reported once, no worker left behind; bad ``stratagem run`` input fails before launching."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import stratagem as sg
+from stratagem import launcher
+
+WORKLOADS = Path(__file__).parent / "workloads"
+sys.path.insert(0, str(WORKLOADS))
+import sg_workloads as wl  # noqa: E402
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _failing_run(tmp_path: Path, how: str) -> tuple[subprocess.CompletedProcess, float]:
+    root = tmp_path / f"fail-{how}"
+    command = [sys.executable, str(WORKLOADS / "sg_workloads.py"), "--devices", "2", "--steps", "50"]
+    command += ["--fail", how, "--fail-rank", "1", "--timeout", "20", "--root", str(root)]
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=90)
+    elapsed = time.monotonic() - start
+    time.sleep(0.5)
+    assert _processes_mentioning(str(root)) == [], "a worker outlived the run"
+    return done, elapsed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_failing_worker_ends_the_run_naming_its_rank(tmp_path: Path) -> None:
+    raised, raised_s = _failing_run(tmp_path, "raise")
+    assert raised.returncode != 0
+    assert "rank 1" in raised.stderr
+    assert raised.stderr.count("RuntimeError: deliberate failure on rank 1") == 1, raised.stderr
+    assert raised.stderr.count("Traceback (most recent call last)") == 1, raised.stderr
+    # Well within the process-group timeout (20 s) on top of the start-up.
+    assert raised_s < 60
+
+    killed, killed_s = _failing_run(tmp_path, "kill")
+    assert killed.returncode != 0
+    assert "rank 1" in killed.stderr and "SIGKILL" in killed.stderr, killed.stderr
+    assert killed_s < 60
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_function_raising_in_a_worker_raises_here_with_its_rank() -> None:
+    engine = sg.Engine(strategy=wl.GradAverage(), accelerator="cpu", devices=2, timeout=20)
+    with pytest.raises(sg.WorkerFailedError) as caught:
+        engine.launch(wl.raise_on_rank_one)
+    assert caught.value.rank == 1
+    assert "ValueError: worker one gives up" in str(caught.value)
+
+
+def _stratagem(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from stratagem.cli import main; sys.exit(main())", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_run_refuses_bad_input_before_launching(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('should not run')\n")
+    unknown = _stratagem("run", "--strategy", "dpp", "--devices", "2", str(script))
+    assert unknown.returncode == 2 and "Unknown strategy 'dpp'" in unknown.stderr
+    assert "should not run" not in unknown.stderr
+    missing = _stratagem("run", "--devices", "2", str(tmp_path / "absent.py"))
+    assert missing.returncode == 2 and "no such script" in missing.stderr
+    nodes = _stratagem("run", "--nnodes", "2", str(script))
+    assert nodes.returncode == 2 and "--rdzv-endpoint" in nodes.stderr
+
+
+def test_worker_environment_shares_the_cores_and_keeps_user_settings(monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = launcher.worker_environment("cpu", {"X": "1"}, nproc_per_node=2)
+    assert env[launcher.WORKER_ENV] == "1" and env["X"] == "1"
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in launcher.worker_environment("cpu", None, nproc_per_node=2)
