@@ -1,0 +1,184 @@
+"""The contract suite itself: it certifies single_device, and each deliberately broken strategy fails the
+matching check with a message saying what was expected and what came back.
+
+The broken strategies come from ``contract_fixtures/stratagem_contract_fixtures``, installed for the pytest
+run under test as a distribution with a real ``stratagem`` entry point (a ``dist-info`` on its path), so they
+go through discovery and the suite exactly as a third-party plugin does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "contract_fixtures"
+BROKEN = ["contract_broken_all_reduce", "contract_broken_optimizer_checkpoint", "contract_broken_resume"]
+
+
+def _install_fixtures(site: Path) -> dict[str, str]:
+    info = site / "stratagem_contract_fixtures-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: stratagem-contract-fixtures\nVersion: 0.1.0\n"
+    )
+    (info / "entry_points.txt").write_text("[stratagem]\ncontract_fixtures = stratagem_contract_fixtures\n")
+    (info / "RECORD").write_text("")
+    path = os.pathsep.join([str(site), str(FIXTURES), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep)}
+
+
+def _outcomes(junit: Path) -> dict[str, tuple[str, str]]:
+    """``{"module::test[id]": (outcome, message)}`` from a JUnit XML report."""
+    outcomes = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        outcome, message = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            element = case.find(kind)
+            if element is not None:
+                outcome = "failed" if kind != "skipped" else "skipped"
+                message = (element.get("message") or "") + "\n" + (element.text or "")
+        outcomes[name] = (outcome, message)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """One run of ``stratagem contract`` over single_device and the broken strategies."""
+    work = tmp_path_factory.mktemp("contract")
+    env = _install_fixtures(work / "site")
+    junit = work / "report.xml"
+    # The `stratagem` console script, run by this interpreter.
+    cli = "import sys; from stratagem.cli import main; sys.exit(main())"
+    command = [sys.executable, "-c", cli, "contract", "single_device", *BROKEN]
+    completed = subprocess.run(
+        [*command, f"--pytest-args=--junitxml={junit} -q"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert junit.exists(), (
+        f"the suite wrote no report; exit {completed.returncode}:\n{completed.stdout[-3000:]}{completed.stderr[-3000:]}"
+    )
+    assert completed.returncode == 1, f"expected failures (exit 1), got {completed.returncode}"
+    return _outcomes(junit)
+
+
+def _results(report: dict[str, tuple[str, str]], strategy: str) -> dict[str, tuple[str, str]]:
+    return {k: v for k, v in report.items() if f"[{strategy}" in k}
+
+
+def _failed(report: dict[str, tuple[str, str]], strategy: str) -> set[str]:
+    return {k.split("[")[0] for k, (outcome, _) in _results(report, strategy).items() if outcome == "failed"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_single_device_is_certified(report: dict[str, tuple[str, str]]) -> None:
+    results = _results(report, "single_device")
+    assert len(results) >= 19, sorted(results)
+    not_passed = {k: v for k, v in results.items() if v[0] != "passed"}
+    assert not not_passed, not_passed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_wrong_all_reduce_fails_the_all_reduce_check(report: dict[str, tuple[str, str]]) -> None:
+    outcome, message = report["test_collectives::test_all_reduce[contract_broken_all_reduce]"]
+    assert outcome == "failed"
+    assert (
+        "all_reduce(op='mean') of [r+1, 2(r+1), -(r+1)] over 2 ranks: expected [1.5, 3.0, -1.5], got [3.0, 6.0, -3.0]"
+        in message
+    ), message
+    assert "op='sum'" not in message and "op='max'" not in message, message
+    # The other collectives, checkpoints and resume are intact.
+    assert _failed(report, "contract_broken_all_reduce") == {
+        "test_collectives::test_all_reduce",
+        "test_training::test_losses_match_the_reference",  # losses are reported through all_reduce(mean)
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_checkpoint_without_optimizer_state_fails_the_round_trip(report: dict[str, tuple[str, str]]) -> None:
+    name = "contract_broken_optimizer_checkpoint"
+    outcome, message = report[f"test_checkpoint::test_round_trip[{name}-full]"]
+    assert outcome == "failed"
+    assert (
+        "expected AdamW state (step, exp_avg, exp_avg_sq) for all 17 parameters after 3 steps, got none for 17"
+        in message
+    ), message
+    outcome, message = report[f"test_checkpoint::test_round_trip[{name}-sharded]"]
+    assert outcome == "failed" and "has no optimizer 'optimizer'" in message, message
+    assert {"test_checkpoint::test_round_trip", "test_resume::test_exact_resume"} <= _failed(report, name)
+    assert not {f for f in _failed(report, name) if "collectives" in f or "training" in f}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_non_exact_resume_fails_only_the_resume_check(report: dict[str, tuple[str, str]]) -> None:
+    name = "contract_broken_resume"
+    assert _failed(report, name) == {"test_resume::test_exact_resume"}
+    for fmt in ("full", "sharded"):
+        outcome, message = report[f"test_resume::test_exact_resume[{name}-{fmt}]"]
+        assert outcome == "failed"
+        assert f"5 steps straight vs 3 steps, {fmt} checkpoint, new processes, 2 steps" in message, message
+        assert "final model state: " in message and "expected bit-equal tensor(" in message, message
+    # Its declared tolerance (1e-4) applied: equivalence holds, so the checks did run and pass.
+    assert report[f"test_training::test_parameters_match_the_reference[{name}]"][0] == "passed"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_every_hook_is_exercised(report: dict[str, tuple[str, str]]) -> None:
+    from stratagem import hookspecs
+    from stratagem._manager import STRATEGY_HOOKS
+    from stratagem.testing._recorder import HookRecorder
+
+    specs = {n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), f"{hookspecs.PROJECT_NAME}_spec")}
+    assert specs == STRATEGY_HOOKS | {"register_strategies"}
+    recorded = {n.removeprefix("record_") for n in dir(HookRecorder) if n.startswith("record_")}
+    assert recorded == STRATEGY_HOOKS
+    for strategy in ("single_device", *BROKEN):
+        outcome, message = report[f"test_hooks::test_every_hook_is_exercised[{strategy}]"]
+        assert outcome == "passed", message
+
+
+def _pytest(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_plugin_is_inert_without_its_option(tmp_path: Path) -> None:
+    (tmp_path / "test_light.py").write_text(
+        "import sys\n\ndef test_nothing_heavy_imported():\n"
+        "    assert 'torch' not in sys.modules\n    assert 'stratagem.testing._runner' not in sys.modules\n"
+    )
+    completed = _pytest(["-q", "test_light.py"], tmp_path)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "1 passed" in completed.stdout
+    assert "--stratagem-strategy" in _pytest(["--help"], tmp_path).stdout
+
+
+def test_suite_without_a_strategy_is_a_usage_error(tmp_path: Path) -> None:
+    completed = _pytest(["--pyargs", "stratagem.contract"], tmp_path)
+    assert completed.returncode == 4, completed.stdout + completed.stderr
+    assert "pass --stratagem-strategy NAME" in completed.stderr
+
+
+def test_unknown_strategy_is_a_usage_error(tmp_path: Path) -> None:
+    completed = _pytest(["--pyargs", "stratagem.contract", "--stratagem-strategy", "single_devise"], tmp_path)
+    assert completed.returncode == 4, completed.stdout + completed.stderr
+    assert "Unknown strategy 'single_devise'. Did you mean 'single_device'?" in completed.stderr
