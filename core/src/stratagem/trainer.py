@@ -336,8 +336,8 @@ class Trainer:
         self._last_saved_step = self.position.step
 
     def print(self, *args: Any) -> None:
-        """Print on rank 0 (above the progress bar while it runs)."""
-        if not self.engine.is_global_zero:
+        """Print on rank 0 (above the progress bar while it runs); nothing in a process that only launches."""
+        if self.engine.needs_launch or not self.engine.is_global_zero:
             return
         message = " ".join(str(a) for a in args)
         if self._bar is not None and self._bar.enabled:
@@ -398,7 +398,8 @@ class Trainer:
     def _launch(self) -> None:
         argv0 = sys.argv[0] if sys.argv else ""
         main = sys.modules.get("__main__")
-        if argv0 in ("", "-c") or (main is not None and not hasattr(main, "__file__")):
+        rerunnable = argv0 == "-c" or hasattr(main, "__file__") or getattr(main, "__spec__", None) is not None
+        if not argv0 or not rerunnable or "ipykernel" in sys.modules:
             raise ConfigurationError(
                 f"devices={self.engine.devices} from an interactive session: the workers re-run the script, "
                 "and there is none. Run it as `python script.py`, or start it with torchrun or "

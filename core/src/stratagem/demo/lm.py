@@ -171,6 +171,10 @@ def run(
         raise sg.ConfigurationError(
             f"--steps {steps}: give at least 2 (half before the checkpoint, half after)."
         )
+    if accelerator != "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        # This model's operations are too small to split across threads; on a busy machine the threads
+        # mostly wait for each other.
+        torch.set_num_threads(1)
     root, temporary = _root_dir(root_dir)
     text = load_text()
     data = CharWindows(text, block=64, stride=37)
@@ -194,7 +198,7 @@ def run(
     loader = DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True)
     first.print(
         f"stratagem demo: {len(text) // 1024} KB of text, {len(data.vocab)} characters; strategy "
-        f"{first.strategy.name}, {first.engine.world_size} process(es) on {first.engine.device.type}; "
+        f"{first.strategy.name}, {first.engine.world_size_requested} process(es) on {first.engine.device.type}; "
         f"{steps} steps, checkpoint and resume at step {half}."
     )
     first.fit(model, loader)
