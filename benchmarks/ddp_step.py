@@ -72,7 +72,10 @@ def _timed_step(loop: Any, x: torch.Tensor, y: torch.Tensor) -> float:
 def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     data = batches(args.steps, args.batch, args.width, engine.rank)
-    loops = {"raw": RawLoop(args.width, args.depth), "stratagem": StratagemLoop(engine, args.width, args.depth)}
+    loops = {
+        "raw": RawLoop(args.width, args.depth),
+        "stratagem": StratagemLoop(engine, args.width, args.depth),
+    }
     for loop in loops.values():  # warm-up: allocator, bucket rebuild, autograd caches
         for x, y in data[:3]:
             _timed_step(loop, x, y)
@@ -92,7 +95,9 @@ def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
