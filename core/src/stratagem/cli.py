@@ -129,4 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m stratagem.cli` this file runs as __main__, a second copy of the module; subcommand
+    # modules register on the importable `stratagem.cli`, so dispatch through that one.
+    from stratagem.cli import main as _main
+
+    sys.exit(_main())
