@@ -200,6 +200,7 @@ def main(argv: list[str]) -> None:
         result["skipped_backwards"] = getattr(strategy, "skipped_backwards", None)
         result["logged"] = dict(trainer.logged_metrics)
         result["rank"] = trainer.engine.rank
+        result["strategy"] = trainer.strategy.name
         results.append(result)
     rank = int(os.environ.get("RANK", "0"))
     if args.out:
