@@ -1,0 +1,47 @@
+"""Every strategy of the repository's plugin packages, certified by the contract suite as a user would run it.
+
+One ``stratagem contract NAME`` per strategy (new processes, the installed packages), so a failure names the
+strategy. A skipped check must name the capability that excludes it; anything else is a failure.
+(``single_device`` is certified in core's own tests, ``local_sgd`` in the example package's.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from stratagem import get_registry
+
+PACKAGES = ("stratagem-ddp", "stratagem-fsdp", "stratagem-deepspeed")
+NAMES = sorted(info.name for info in get_registry() if info.plugin.distribution in PACKAGES)
+
+
+def test_every_repository_package_registered_strategies() -> None:
+    found = {info.plugin.distribution for info in get_registry() if info.name in NAMES}
+    assert found == set(PACKAGES), f"installed repository packages with strategies: {sorted(found)}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", NAMES)
+def test_certified(name: str, tmp_path: Path) -> None:
+    junit = tmp_path / "report.xml"
+    completed = subprocess.run(
+        [sys.executable, "-m", "stratagem", "contract", name, f"--pytest-args=--junitxml={junit}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
+    assert completed.returncode == 0, completed.stdout[-6000:] + completed.stderr[-3000:]
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+    assert cases, "the suite ran no check"
+    for case in cases:
+        skipped = case.find("skipped")
+        if skipped is not None:
+            reason = skipped.get("message", "")
+            assert "declare" in reason, f"{case.get('name')} skipped for a reason no declaration gives: {reason}"
