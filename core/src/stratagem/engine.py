@@ -121,8 +121,13 @@ class Engine:
             launcher.install_worker_excepthook()
         self._check_devices()
         self.world_size_requested = self._expected_world_size()
-        self.strategy = self._resolve_strategy(strategy)
-        self._hooks = StrategyHooks(self.strategy, addons=[*installed_plugins(), *addons] if addons else None)
+        self._addons = tuple(addons)
+        self._strategy_info, self._strategy = self._resolve_strategy(strategy)
+        self._hooks_cache: StrategyHooks | None = None
+        if not self.needs_launch:
+            # A process that only launches workers never uses the strategy: importing it (a plugin and
+            # what it imports) would only delay the workers' start.
+            _ = self._hooks
         self._environment_ready = False
         self._models: list[torch.nn.Module] = []
 
@@ -154,20 +159,38 @@ class Engine:
             return env.world_size
         return self.devices * self.num_nodes
 
-    def _resolve_strategy(self, strategy: str | Strategy) -> Strategy:
+    @property
+    def strategy(self) -> Strategy:
+        if self._strategy is None:
+            self._strategy = self._strategy_info.create()
+        return self._strategy
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy's name, without creating it."""
+        return self._strategy.name if self._strategy is not None else self._strategy_info.name
+
+    @property
+    def _hooks(self) -> StrategyHooks:
+        if self._hooks_cache is None:
+            addons = [*installed_plugins(), *self._addons] if self._addons else None
+            self._hooks_cache = StrategyHooks(self.strategy, addons=addons)
+        return self._hooks_cache
+
+    def _resolve_strategy(self, strategy: str | Strategy) -> tuple[Any, Strategy | None]:
+        """The registry's entry for the strategy (checked against the request) and the instance, if given."""
         registry = get_registry()
         if isinstance(strategy, Strategy):
             info = self._info_for_instance(strategy)
             if info is not None:
                 self._check(info.name)
-            return strategy
+            return info, strategy
         if not isinstance(strategy, str):
             raise ConfigurationError(f"strategy={strategy!r}: give a registered name or a Strategy instance.")
         name = strategy
         if name == "auto":
             name = os.environ.get(STRATEGY_ENV) or self._auto_name(registry)
-        info = self._check(name)
-        return info.create()
+        return self._check(name), None
 
     def _auto_name(self, registry: Any) -> str:
         if self.world_size_requested == 1:
@@ -197,7 +220,9 @@ class Engine:
 
     @property
     def capabilities(self) -> Any:
-        info = self._info_for_instance(self.strategy)
+        info = (
+            self._strategy_info if self._strategy_info is not None else self._info_for_instance(self.strategy)
+        )
         return None if info is None else info.capabilities
 
     # launching -------------------------------------------------------------------------------------

@@ -1,0 +1,175 @@
+"""Per-step overhead of stratagem's Trainer over a hand-written PyTorch loop with the same wrapper.
+
+Two gloo processes on CPU, both loops on the same DistributedDataParallel wrapper (``strategy="ddp"``), the
+same MLP, the same data and DistributedSampler. The loops alternate in rounds inside the same two processes so
+that machine noise falls on all of them alike. A step's time is the time between consecutive training-step
+starts (forward, backward, optimizer, data loading, and everything the loop does around them); the first steps
+of every segment are dropped. Prints the median step of each loop and the ratio to the raw loop (target: at
+most 1.03), with Lightning's beside it when ``lightning`` is importable.
+
+    python benchmarks/trainer_overhead.py [--width 1024] [--depth 4] [--batch 96] [--steps 60] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import stratagem as sg
+
+WARMUP = 5
+
+
+def make_net(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 16))
+
+
+def make_data(width: int, batch: int, steps: int, world: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    n = batch * world * (steps + 1)
+    return TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, 16, generator=g))
+
+
+def step_times(stamps: list[float]) -> list[float]:
+    deltas = [b - a for a, b in itertools.pairwise(stamps)]
+    return deltas[WARMUP:]
+
+
+def raw_loop(args: argparse.Namespace, data: TensorDataset) -> list[float]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_net(args.width, args.depth))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, shuffle=False))
+    stamps = []
+    for x, y in loader:
+        stamps.append(time.perf_counter())
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if len(stamps) > args.steps:
+            break
+    return step_times(stamps)
+
+
+class Net(sg.Module):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.net = make_net(args.width, args.depth)
+        self.stamps: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("mse", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+
+
+def stratagem_loop(args: argparse.Namespace, data: TensorDataset, root: str) -> list[float]:
+    module = Net(args)
+    trainer = sg.Trainer(
+        strategy="ddp", accelerator="cpu", devices=2, max_steps=args.steps + 1, default_root_dir=root
+    )
+    trainer.fit(module, DataLoader(data, batch_size=args.batch))
+    return step_times(module.stamps)
+
+
+def lightning_loop(args: argparse.Namespace, data: TensorDataset, root: str) -> list[float]:
+    import lightning as L
+
+    class LitNet(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_net(args.width, args.depth)
+            self.stamps: list[float] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.stamps.append(time.perf_counter())
+            x, y = batch
+            loss = F.mse_loss(self.net(x), y)
+            self.log("mse", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+
+    module = LitNet()
+    trainer = L.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_steps=args.steps + 1,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(data, batch_size=args.batch))
+    return step_times(module.stamps)
+
+
+def worker(engine: sg.Engine, args: argparse.Namespace, root: str) -> dict[str, list[float]]:
+    data = make_data(args.width, args.batch, args.steps, engine.world_size)
+    loops = {"raw": lambda: raw_loop(args, data), "stratagem": lambda: stratagem_loop(args, data, root)}
+    if importlib.util.find_spec("lightning") is not None:
+        loops["lightning"] = lambda: lightning_loop(args, data, root)
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    ratios: dict[str, list[float]] = {name: [] for name in loops}
+    for _ in range(args.rounds):
+        medians = {}
+        for name, loop in loops.items():
+            engine.barrier(name)
+            segment = loop()
+            times[name] += segment
+            medians[name] = statistics.median(segment)
+        for name in loops:
+            ratios[name].append(medians[name] / medians["raw"])
+    return {"times": times, "ratios": ratios}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=96)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="stratagem-overhead-")
+    engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2)
+    result = engine.launch(worker, args, root)
+    print(f"2 processes (gloo, CPU), MLP {args.depth}x{args.width}, batch {args.batch} per rank, ")
+    print(f"{args.rounds} rounds of {args.steps} steps per loop (first {WARMUP} of each dropped)")
+    print(f"{'loop':<10} {'median step':>12} {'ratio to raw':>13} {'per-round ratios':>18}")
+    for name, values in result["times"].items():
+        ratio = statistics.median(result["ratios"][name])
+        rounds = " ".join(f"{r:.3f}" for r in result["ratios"][name])
+        print(f"{name:<10} {statistics.median(values) * 1e3:>9.1f} ms {ratio:>13.3f}   {rounds}")
+
+
+if __name__ == "__main__":
+    main()
