@@ -246,3 +246,27 @@ def test_two_processes_match_one_process_on_the_global_batch(tmp_path: Path) -> 
     # Rank 0 alone draws the progress line and writes the CSV.
     assert done.stdout.count("step 10/10") == 2
     assert (tmp_path / "run0" / "metrics.csv").is_file()
+
+
+class Eager(wl.Regression):
+    """Layers built in __init__ (under Trainer.init_module) rather than in configure_model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        wl.Regression.configure_model(self)
+
+    def configure_model(self) -> None:
+        pass
+
+
+def test_init_module_with_empty_init_builds_on_meta_and_trains(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, max_steps=3)
+    with trainer.init_module(empty_init=True):
+        module = Eager()
+    assert all(p.is_meta for p in module.parameters())
+    trainer.fit(module, _loader())
+    params = list(module.parameters())
+    assert not any(p.is_meta for p in params) and all(torch.isfinite(p).all() for p in params)
+    # The optimizer built over the meta parameters was pointed at the materialised ones, and stepped them.
+    assert trainer.optimizers[0].param_groups[0]["params"][0] is params[0]
+    assert len(module.losses) == 3 and module.losses[0] != module.losses[-1]
