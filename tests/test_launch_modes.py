@@ -1,6 +1,7 @@
 """One training script, three ways to start it: ``python script.py`` (devices=2, stratagem launches the
 workers), ``torchrun --nproc_per_node 2 script.py`` and ``stratagem run --devices 2 script.py``. The results
-are identical; ``stratagem run --strategy ddp`` makes ``strategy="auto"`` pick DDP, which agrees too."""
+are identical, also as two one-process "nodes" joined by ``stratagem run --nnodes 2 --node-rank R
+--rdzv-endpoint``; ``stratagem run --strategy ddp`` makes ``strategy="auto"`` pick DDP, which agrees too."""
 
 from __future__ import annotations
 
@@ -15,6 +16,28 @@ import torch
 SCRIPT = Path(__file__).parents[1] / "core" / "tests" / "workloads" / "sg_workloads.py"
 BIN = Path(sys.executable).parent
 ARGS = ["--devices", "2", "--steps", "6", "--batch", "4", "--shuffle", "--dropout", "0.1", "--timeout", "60"]
+
+
+def _two_nodes(tmp_path: Path) -> list[dict]:
+    from stratagem.launcher import free_port
+
+    out = tmp_path / "nodes"
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = [str(SCRIPT), *ARGS, "--strategy", "gradavg", "--root", str(out), "--out", str(out)]
+    run = [str(BIN / "stratagem"), "run", "--nnodes", "2", "--rdzv-endpoint", endpoint]
+    nodes = [
+        subprocess.Popen(
+            [*run, "--node-rank", str(rank), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for node in nodes:
+        stdout, stderr = node.communicate(timeout=120)
+        assert node.returncode == 0, stdout + stderr
+    return [torch.load(f"{out}.rank{r}", weights_only=False)[0] for r in (0, 1)]
 
 
 def _run(prefix: list[str], tmp_path: Path, name: str, strategy: str = "gradavg") -> list[dict]:
@@ -34,6 +57,7 @@ def test_the_same_script_trains_alike_under_python_torchrun_and_stratagem_run(tm
             [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"], tmp_path, "torchrun"
         ),
         "stratagem run": _run([str(BIN / "stratagem"), "run", "--devices", "2"], tmp_path, "run"),
+        "stratagem run, 2 nodes": _two_nodes(tmp_path),
     }
     reference = results["python"]
     for mode, ranks in results.items():

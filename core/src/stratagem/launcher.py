@@ -113,7 +113,8 @@ def _config(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc_per_node,
-        run_id=run_id or uuid.uuid4().hex,
+        # Every node's agent must use the same run id to find the others' keys in the rendezvous store.
+        run_id=run_id or (f"stratagem-{rdzv_endpoint}" if rdzv_endpoint else uuid.uuid4().hex),
         rdzv_backend=backend,
         rdzv_endpoint=endpoint or "",
         rdzv_configs=configs,
