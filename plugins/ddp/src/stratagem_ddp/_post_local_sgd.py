@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 
 from stratagem.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    # Imported where used: torch.distributed.optim pulls in FSDP and DTensor, about a second per worker.
+    from torch.distributed.optim import PostLocalSGDOptimizer
 
 #: Where a checkpoint keeps the averager's step, next to the optimizer's state.
 AVERAGER_STEP_KEY = "post_local_sgd_averager_step"
@@ -17,6 +20,9 @@ AVERAGER_STEP_KEY = "post_local_sgd_averager_step"
 
 def with_model_averaging(optimizer: Any, period: int | None, state: Any) -> PostLocalSGDOptimizer:
     """``optimizer`` wrapped so that each step is followed by the periodic average of the parameters."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+
     if isinstance(optimizer, (PostLocalSGDOptimizer, ZeroRedundancyOptimizer)):
         raise ConfigurationError(
             f"model_averaging_period={period}: post-local SGD averages plain optimizers; got a "
@@ -29,7 +35,8 @@ def with_model_averaging(optimizer: Any, period: int | None, state: Any) -> Post
 
 def unwrap(optimizer: Any) -> tuple[torch.optim.Optimizer, Any]:
     """The plain optimizer inside a post-local SGD one, and its averager (or ``None``)."""
-    if isinstance(optimizer, PostLocalSGDOptimizer):
+    optim_module = sys.modules.get("torch.distributed.optim")
+    if optim_module is not None and isinstance(optimizer, optim_module.PostLocalSGDOptimizer):
         return optimizer.optim, optimizer.averager
     return optimizer, None
 
