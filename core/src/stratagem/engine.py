@@ -53,11 +53,13 @@ class StrategyOptimizer:
         return f"StrategyOptimizer({self.optimizer!r})"
 
 
+_WRAPPER_NAMES = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
 def _clean_name(name: str) -> str:
-    # Wrappers add prefixes to parameter names; strip them to match a parameter before and after wrapping.
-    for prefix in ("_orig_mod.", "module.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
+    # Wrappers add path components to parameter names; drop them to match a parameter before and after
+    # wrapping. Whole components only: "_checkpoint_wrapped_module." or "submodule." must not lose "module.".
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
 
 
 def _rebind_optimizer(optimizer: Any, names: dict[int, str], model: torch.nn.Module) -> None:
