@@ -1,0 +1,331 @@
+"""The ``sharded`` format of the DeepSpeed strategies: DeepSpeed's own checkpoint directory, plus stratagem's
+``stratagem.json`` and ``state.pt`` (the plain entries, readable with ``weights_only=True``).
+
+Trust: DeepSpeed writes its optimizer files with pickled DeepSpeed objects and reads them back with
+``torch.load(weights_only=False)``, which runs whatever code a crafted file asks for. stratagem itself never
+unpickles code from a checkpoint; loading a DeepSpeed-format directory (``Engine.load``, a resume, or
+:func:`consolidate`) hands exactly DeepSpeed's own files to DeepSpeed's own loader, so load only DeepSpeed
+directories you trust (your own runs). Full checkpoints (``format="full"``, or the output of
+``stratagem checkpoint consolidate``) never need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.checkpoint import _atomic
+from stratagem.checkpoint._io import _agree, _attempt, _gather_per_rank, _local_state, _restore_plain
+from stratagem.checkpoint._io import read_sharded_state as _read_state
+from stratagem.checkpoint._layout import METADATA_FILE, STATE_FILE, classify, metadata, owner_of
+from stratagem.errors import CheckpointError
+
+#: ``stratagem.json``'s ``layout`` for a DeepSpeed directory (a stratagem DCP directory has none).
+LAYOUT = "deepspeed"
+
+
+def is_deepspeed_checkpoint(path: str | Path) -> bool:
+    directory = _atomic.recover(Path(path))
+    if not (directory / METADATA_FILE).is_file():
+        return False
+    try:
+        return json.loads((directory / METADATA_FILE).read_text()).get("layout") == LAYOUT
+    except (OSError, ValueError):
+        return False
+
+
+def _engines(state_parts: Any) -> dict[str, tuple[Any, str | None]]:
+    """``{module key: (engine, optimizer key or None)}`` for the modules of ``state``."""
+    from stratagem_deepspeed.strategy import _optimizer_engine, _wrapper
+
+    engines: dict[str, tuple[Any, str | None]] = {}
+    for key, module in state_parts.modules.items():
+        wrapper = _wrapper(module)
+        if wrapper.__dict__["engine"] is None:
+            raise CheckpointError(
+                "(state)", f"module {key!r} has no DeepSpeed engine yet: set it up with its optimizer first."
+            )
+        engines[key] = (wrapper.__dict__["engine"], None)
+    for key, optimizer in state_parts.optimizers.items():
+        owner = owner_of(optimizer, state_parts.modules)
+        module_key = next(k for k, m in state_parts.modules.items() if m is owner)
+        engine = _optimizer_engine(optimizer)
+        engines[module_key] = (engine, key)
+    return engines
+
+
+# -------------------------------------------------------------------------------------------------
+# save
+# -------------------------------------------------------------------------------------------------
+
+
+def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None:
+    target = Path(path)
+    parts = classify(state)
+    tmp = Path(strategy.broadcast(str(_atomic.temporary_sibling(target)), 0))
+    engines, error = _attempt(_engines, parts)
+    if error is None:
+        local, error = _attempt(_local_state, parts)
+    if error is None and strategy.is_global_zero:
+
+        def make_directory() -> None:
+            if target.is_file():
+                raise CheckpointError(target, "is a file; a sharded checkpoint is a directory. Choose another path.")
+            _atomic.recover(target)
+            _atomic.remove_stale_temporaries(target)
+            tmp.mkdir(parents=True)
+
+        _, error = _attempt(make_directory)
+    _agree(strategy, target, error)
+    try:
+        plain, error = _attempt(_gather_per_rank, strategy, local)
+        _agree(strategy, target, error)
+        for key, (engine, optimizer_key) in sorted(engines.items()):
+            # Every rank writes its own partitions; DeepSpeed synchronises the ranks itself.
+            _, error = _attempt(_save_engine, engine, tmp, key, optimizer_key is not None)
+            _agree(strategy, target, error)
+
+        def write_rest() -> None:
+            torch.save(plain, tmp / STATE_FILE)
+            extra = {
+                "layout": LAYOUT,
+                "deepspeed_version": _deepspeed_version(),
+                "zero_stage": strategy.zero_stage,
+                "engines": {
+                    key: {"tag": key, "optimizer": opt_key, "zero_stage": _stage(engine)}
+                    for key, (engine, opt_key) in engines.items()
+                },
+                "trust": "DeepSpeed's optimizer files load with pickle (weights_only=False); load only "
+                "directories you trust, or use a consolidated full checkpoint.",
+            }
+            meta = metadata(strategy, "sharded", parts, extra)
+            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+            _atomic.fsync_tree(tmp)
+            _atomic.publish_directory(tmp, target)
+
+        if strategy.is_global_zero:
+            _, error = _attempt(write_rest)
+        _agree(strategy, target, error)
+    except BaseException:
+        if strategy.is_global_zero:
+            _atomic.remove(tmp)
+        raise
+
+
+def _save_engine(engine: Any, directory: Path, tag: str, with_optimizer: bool) -> None:
+    with _quiet():
+        engine.save_checkpoint(str(directory), tag=tag, client_state={}, save_latest=False,
+                               exclude_frozen_parameters=False)
+
+
+def _stage(engine: Any) -> int:
+    from stratagem_deepspeed._runtime import zero_stage
+
+    return zero_stage(engine)
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return str(deepspeed.__version__)
+
+
+@contextlib.contextmanager
+def _quiet():
+    # DeepSpeed prints progress to stdout on every rank; keep a user's output readable.
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+# -------------------------------------------------------------------------------------------------
+# load
+# -------------------------------------------------------------------------------------------------
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    from stratagem.checkpoint._layout import read_json_metadata
+
+    meta = read_json_metadata(path)
+    if meta.get("layout") != LAYOUT:
+        raise CheckpointError(path, "is not a DeepSpeed-format stratagem checkpoint.")
+    return meta
+
+
+def load_sharded(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+    source = _atomic.recover(Path(path))
+    meta = read_metadata(source)
+    parts = classify(state)
+    saved_world = meta.get("world_size")
+    if saved_world != strategy.world_size:
+        raise CheckpointError(
+            source,
+            f"is a DeepSpeed checkpoint of {saved_world} processes; this run has {strategy.world_size}. "
+            f"DeepSpeed's partitions load only at the same world size: turn it into a full checkpoint with "
+            f"`stratagem checkpoint consolidate {source} FILE` and load that.",
+        )
+    engines, error = _attempt(_engines, parts)
+    _agree(strategy, source, error)
+    saved_engines = meta.get("engines", {})
+    for key, (engine, optimizer_key) in sorted(engines.items()):
+        if key not in saved_engines:
+            if strict:
+                raise CheckpointError(source, f"has no module {key!r}; it holds {sorted(saved_engines)}.")
+            continue
+        if optimizer_key is not None and saved_engines[key].get("optimizer") is None and strict:
+            raise CheckpointError(source, f"has no optimizer state for {optimizer_key!r}.")
+        load_optimizer = optimizer_key is not None and saved_engines[key].get("optimizer") is not None
+
+        def load(engine: Any = engine, key: str = key, load_optimizer: bool = load_optimizer) -> None:
+            with _quiet():
+                loaded, _ = engine.load_checkpoint(
+                    str(source),
+                    tag=key,
+                    load_module_strict=strict,
+                    load_optimizer_states=load_optimizer,
+                    load_lr_scheduler_states=False,
+                    load_module_only=not load_optimizer,
+                )
+            if loaded is None:
+                raise CheckpointError(source, f"DeepSpeed found no checkpoint under tag {key!r}.")
+
+        _, error = _attempt(load)
+        _agree(strategy, source, error)
+    return _restore_plain(strategy, parts, _read_state(source), strict, source)
+
+
+# -------------------------------------------------------------------------------------------------
+# offline consolidation
+# -------------------------------------------------------------------------------------------------
+
+
+def consolidate(source: str | Path, output: str | Path) -> Path:
+    """Write a DeepSpeed-format stratagem checkpoint as one full stratagem checkpoint file, in one process.
+
+    Consolidated: every module's fp32 weights and buffers, and the optimizer state (per-parameter tensors
+    such as Adam's moments and the step count) keyed by parameter name, with the hyperparameters of each
+    parameter group; plus the plain entries of ``state.pt``. Not consolidated: DeepSpeed's own bookkeeping
+    (loss scaler, engine step counters), which a full checkpoint has no place for. The DeepSpeed files are
+    read with DeepSpeed's loader (see the module's trust note).
+    """
+    from stratagem._version import __version__
+    from stratagem.checkpoint._layout import FORMAT_VERSION
+
+    source, output = _atomic.recover(Path(source)), Path(output)
+    meta = read_metadata(source)
+    if output.is_dir():
+        raise CheckpointError(output, "is a directory; give the path of the full checkpoint file to write.")
+    models: dict[str, Any] = {}
+    optimizers: dict[str, Any] = {}
+    for key, info in meta.get("engines", {}).items():
+        try:
+            weights, optimizer = _consolidate_engine(source / info["tag"], with_optimizer=bool(info.get("optimizer")))
+        except CheckpointError:
+            raise
+        except Exception as error:
+            raise CheckpointError(source, f"could not consolidate module {key!r}: {type(error).__name__}: {error}") from error
+        models[key] = weights
+        if info.get("optimizer"):
+            optimizers[info["optimizer"]] = optimizer
+    payload = {
+        "stratagem": {
+            **{k: v for k, v in meta.items() if k not in ("layout", "engines", "trust")},
+            "format_version": FORMAT_VERSION,
+            "format": "full",
+            "torch_version": str(torch.__version__),
+            "stratagem_version": __version__,
+            "consolidated_from": {
+                "path": str(source),
+                "format": "sharded",
+                "layout": LAYOUT,
+                "deepspeed_version": meta.get("deepspeed_version"),
+            },
+        },
+        "model": models,
+        "optimizers": optimizers,
+        "state": _read_state(source),
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with _atomic.atomic_file(output) as tmp:
+        torch.save(payload, tmp)
+    return output
+
+
+def _consolidate_engine(tag_dir: Path, *, with_optimizer: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Whole fp32 weights (+ buffers) and the name-keyed optimizer state of one engine's directory."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils import zero_to_fp32 as z
+
+    with _quiet():
+        model_files = z.get_model_state_files(str(tag_dir))
+        model_states = z.parse_model_states(model_files)
+        optim_files = z.get_optim_files(str(tag_dir))
+        stage, world_size, fp32_groups, paddings = z.parse_optim_states(optim_files, str(tag_dir))
+        weights = _merge(z, stage, world_size, fp32_groups, model_states, paddings)
+    module_sd = torch.load(model_files[0], map_location="cpu", weights_only=False)["module"]
+    ordered = {name: weights[name].clone() for name in module_sd if name in weights}
+    if not with_optimizer:
+        return ordered, {}
+    optim = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in optim_files]
+    optimizer_state = _consolidate_optimizer(z, stage, world_size, optim, model_states, paddings, ordered)
+    return ordered, optimizer_state
+
+
+def _merge(z: Any, stage: int, world_size: int, groups: Any, model_states: Any, paddings: Any) -> dict[str, Any]:
+    if stage <= 2:
+        merged = z._get_fp32_state_dict_from_zero2_checkpoint(world_size, groups, model_states, False, paddings)
+    else:
+        merged = z._get_fp32_state_dict_from_zero3_checkpoint(world_size, groups, model_states, False)
+    return {k: (v.contiguous() if hasattr(v, "contiguous") else v) for k, v in z.to_torch_tensor(merged).items()}
+
+
+def _base_states(stage: int, optim: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rank's base optimizer state dict (``{"state": {group: {...}}, "param_groups": [...]}``)."""
+    key = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
+    states = [rank_sd[key] for rank_sd in optim]
+    if states and isinstance(states[0], list):  # elastic layout: one entry per group
+        states = [{"state": dict(enumerate(s)), "param_groups": []} for s in states]
+    return states
+
+
+def _consolidate_optimizer(
+    z: Any,
+    stage: int,
+    world_size: int,
+    optim: list[dict[str, Any]],
+    model_states: Any,
+    paddings: Any,
+    weights: dict[str, Any],
+) -> dict[str, Any]:
+    bases = _base_states(stage, optim)
+    groups = sorted(bases[0]["state"])
+    keys = sorted({k for g in groups for k in bases[0]["state"][g]})
+    per_key: dict[str, dict[str, Any]] = {}
+    scalars: dict[str, Any] = {}
+    for key in keys:
+        values = [[b["state"][g][key] for g in groups] for b in bases]
+        if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values[0]):
+            with _quiet():
+                per_key[key] = _merge(z, stage, world_size, values, model_states, paddings)
+        else:
+            scalars[key] = values[0][0]
+    # Parameter names per group come from the model states (param_shapes), in the optimizer's order.
+    shapes = model_states[0].param_shapes
+    group_names = [list(g.keys()) for g in shapes]
+    state: dict[str, dict[str, Any]] = {}
+    for names in group_names:
+        for name in names:
+            entry = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
+            entry.update({k: merged[name].clone() for k, merged in per_key.items() if name in merged})
+            state[name] = entry
+    param_groups = []
+    for index, names in enumerate(group_names):
+        saved = bases[0]["param_groups"][index] if index < len(bases[0]["param_groups"]) else {}
+        param_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": names})
+    return {"state": state, "param_groups": param_groups}

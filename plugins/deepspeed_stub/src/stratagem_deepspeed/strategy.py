@@ -1,0 +1,386 @@
+"""``deepspeed*``: the DeepSpeed engine and its ZeRO optimizers behind stratagem's hooks.
+
+``deepspeed.initialize`` needs the model and its optimizer together, but stratagem wraps the model first and
+sets up optimizers afterwards. So :meth:`~DeepSpeedStrategy.wrap_model` returns a light
+:class:`DeepSpeedModule` around the user's module, and :meth:`~DeepSpeedStrategy.setup_optimizers` creates the
+engine and attaches it; from then on the wrapper's forward is the engine's.
+
+DeepSpeed owns the step: gradient reduction and partitioning, loss scaling, clipping and the optimizer
+update all happen in ``engine.backward`` and ``engine.step``. stratagem's options reach it as follows:
+
+- accumulation: DeepSpeed is configured for one micro-batch per step, and :meth:`no_sync` marks the
+  micro-batches before the last as "not a boundary" (``engine.set_gradient_accumulation_boundary``), as the
+  Trainer and the contract loop use it. The loss is divided by the loop, not by DeepSpeed.
+- clipping: :meth:`clip_gradients` sets the clip value of the ZeRO optimizer for the coming step (DeepSpeed
+  clips inside ``step`` with the norm of the partitioned gradients) and returns that norm, computed from the
+  same reduced gradients before the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Any, ContextManager
+
+import torch
+
+from stratagem import hookimpl
+from stratagem.cluster import ClusterEnvironment
+from stratagem.errors import ConfigurationError
+from stratagem.precision import default_dtype, param_dtype
+from stratagem.strategies.base import Strategy
+from stratagem.strategies.torch_distributed import TorchDistributedStrategy
+from stratagem_deepspeed import CONFIG_ENV, _runtime, _state
+from stratagem_deepspeed._config import DeepSpeedConfig
+
+
+class DeepSpeedModule(torch.nn.Module):
+    """The user's module (``.module``) and, once optimizers are set up, the DeepSpeed engine (``.engine``).
+
+    Its parameters and state dict are the user's module's under the prefix ``module.``, which stratagem strips
+    where names must match other strategies. The engine is not a submodule (it holds the same module).
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.__dict__["engine"] = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.__dict__["engine"]
+        if engine is not None:
+            return engine(*args, **kwargs)
+        if any(hasattr(p, "ds_id") for p in self.module.parameters()):
+            raise ConfigurationError(
+                "A ZeRO stage-3 model runs forward through the DeepSpeed engine, which setup_optimizers() "
+                "creates: set the model up together with its optimizer (engine.setup(model, optimizer))."
+            )
+        return self.module(*args, **kwargs)
+
+
+class DeepSpeedOptimizer:
+    """What ``setup_optimizers`` returns: the user's optimizer as DeepSpeed steps it.
+
+    ``param_groups`` shows the user's parameters (DeepSpeed replaced them by flat partitions in the
+    optimizer itself), with every other key read from and written to the optimizer's own groups, so that
+    learning-rate changes reach the step. ``step`` goes through the strategy (``engine.step``).
+    """
+
+    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer, groups: list[list[Any]]) -> None:
+        self.engine = engine
+        self.optimizer = optimizer
+        self._groups = groups
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [_GroupView(base, params) for base, params in zip(self.optimizer.param_groups, self._groups)]
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        """The optimizer's state as DeepSpeed keeps it (per flat partition, not per parameter)."""
+        return self.optimizer.state
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            closure()
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if _runtime.zero_stage(self.engine):
+            self.engine.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            self.engine.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.engine.optimizer.load_state_dict([state_dict] if _runtime.zero_stage(self.engine) else state_dict)
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedOptimizer({type(self.optimizer).__name__}, zero_stage={_runtime.zero_stage(self.engine)})"
+
+
+class _GroupView(dict):
+    """A parameter group: ``params`` are the user's parameters, every other key is the optimizer's group's."""
+
+    def __init__(self, base: dict[str, Any], params: list[Any]) -> None:
+        super().__init__({**base, "params": params})
+        self._base = base
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if key != "params":
+            self._base[key] = value
+
+
+class DeepSpeedStrategy(TorchDistributedStrategy):
+    """DeepSpeed's engine with ZeRO stage 1, 2 or 3, optionally offloading to CPU memory.
+
+    Options keep the seeds' names (see :class:`~stratagem_deepspeed.DeepSpeedConfig`)::
+
+        DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)
+        DeepSpeedStrategy(config="ds_config.json")   # a whole DeepSpeed config; the options are not applied
+
+    Without ``config``, the environment variable ``STRATAGEM_DEEPSPEED_CONFIG`` may name a JSON config.
+    """
+
+    #: ``Engine.save`` writes DeepSpeed's own sharded directory unless told ``format="full"``.
+    checkpoint_format = "sharded"
+
+    def __init__(
+        self,
+        *,
+        stage: int = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        allgather_bucket_size: int = 200_000_000,
+        reduce_bucket_size: int = 200_000_000,
+        contiguous_gradients: bool = True,
+        overlap_comm: bool = True,
+        cpu_checkpointing: bool = False,
+        config: dict[str, Any] | str | os.PathLike[str] | None = None,
+        logging_level: int | str = "WARNING",
+        process_group_backend: str | None = None,
+        timeout: datetime.timedelta | float | None = None,
+    ) -> None:
+        if config is None and os.environ.get(CONFIG_ENV):
+            config = os.environ[CONFIG_ENV]
+        self.config = DeepSpeedConfig(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+            allgather_bucket_size=allgather_bucket_size,
+            reduce_bucket_size=reduce_bucket_size,
+            contiguous_gradients=contiguous_gradients,
+            overlap_comm=overlap_comm,
+            cpu_checkpointing=cpu_checkpointing,
+            config=config,
+            logging_level=logging_level,
+        )
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self._deepspeed: Any = None
+        self._engines: list[Any] = []
+        #: Engines whose clip value clip_gradients changed for the coming step, with the value to restore.
+        self._clip_restore: dict[int, float] = {}
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedStrategy({self.config!r})"
+
+    def deepspeed_config(self, model: torch.nn.Module | None = None) -> dict[str, Any]:
+        """The config ``deepspeed.initialize`` receives for this run's precision and accelerator (and model)."""
+        numel = None
+        if model is not None:
+            numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+        return self.config.deepspeed_config(self.precision, self.cluster.accelerator, numel)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.zero_stage
+
+    # environment ----------------------------------------------------------------------------------
+    @hookimpl
+    def setup_environment(self, cluster: ClusterEnvironment, precision: str) -> None:
+        TorchDistributedStrategy.setup_environment(self, cluster, precision)
+        self._deepspeed = _runtime.import_deepspeed(cluster.accelerator, self.config.logging_level)
+        # Reuses the process group made above instead of creating DeepSpeed's own.
+        self._deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
+
+    # model -----------------------------------------------------------------------------------------
+    @hookimpl
+    def model_init_context(self, empty_init: bool) -> ContextManager[None]:
+        if self.zero_stage != 3:
+            return Strategy.model_init_context(self, empty_init)
+        # zero.Init (the sharded context) partitions each layer as it is built, so there is nothing to gain
+        # from the meta device, which it cannot partition.
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.device)
+        stack.enter_context(default_dtype(param_dtype(self.precision)))
+        return stack
+
+    @hookimpl
+    def model_sharded_context(self) -> ContextManager[None]:
+        if self.zero_stage != 3:
+            return contextlib.nullcontext()
+        config = self.deepspeed_config()
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            next((k for k in ("bf16", "fp16") if config.get(k, {}).get("enabled")), ""), torch.float32
+        )
+        return self._deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype)
+
+    @hookimpl
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(model, DeepSpeedModule):
+            raise ConfigurationError("wrap_model: the model is wrapped already; pass the plain module to setup().")
+        if not any(hasattr(p, "ds_id") for p in model.parameters()):
+            model = Strategy.wrap_model(self, model)
+        return DeepSpeedModule(model)
+
+    @hookimpl
+    def forward_context(self) -> ContextManager[None]:
+        # DeepSpeed's bf16/fp16 modes cast the parameters themselves; autocast only for nothing else.
+        return contextlib.nullcontext()
+
+    # optimization ----------------------------------------------------------------------------------
+    @hookimpl
+    def setup_optimizers(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
+        wrapper = _wrapper(model)
+        if len(optimizers) != 1:
+            raise ConfigurationError(
+                f"DeepSpeed drives exactly one optimizer per model; got {len(optimizers)}. Put the parameters "
+                "in one optimizer (several parameter groups are fine)."
+            )
+        if wrapper.__dict__["engine"] is not None:
+            raise ConfigurationError("This model has its DeepSpeed engine already; set up its optimizer once.")
+        optimizer = optimizers[0]
+        if isinstance(optimizer, DeepSpeedOptimizer):
+            raise ConfigurationError("setup_optimizers: pass the torch optimizer, not the one setup returned.")
+        groups = [list(group["params"]) for group in optimizer.param_groups]
+        engine, *_ = self._deepspeed.initialize(
+            model=wrapper.module,
+            optimizer=optimizer,
+            config=self.deepspeed_config(wrapper.module),
+            dist_init_required=False,
+        )
+        wrapper.__dict__["engine"] = engine
+        self._engines.append(engine)
+        return [DeepSpeedOptimizer(engine, optimizer, groups)]
+
+    @hookimpl
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
+        _engine(model).backward(loss)
+
+    @hookimpl
+    def optimizer_step(self, optimizer: Any, model: torch.nn.Module) -> None:
+        engine = _engine(model)
+        try:
+            engine.step()
+        finally:
+            restore = self._clip_restore.pop(id(engine), None)
+            if restore is not None:
+                engine.optimizer.clip_grad = restore
+
+    @hookimpl
+    def clip_gradients(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        engine = _engine(model)
+        if not _runtime.zero_stage(engine):
+            params = [p for p in engine.module.parameters() if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        zero = engine.optimizer
+        self._clip_restore.setdefault(id(engine), zero.clip_grad)
+        zero.clip_grad = float(max_norm)
+        return torch.tensor(_runtime.global_grad_norm(engine))
+
+    @hookimpl
+    def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
+        engine = _wrapper(model).__dict__["engine"]
+        return contextlib.nullcontext() if engine is None else _not_a_boundary(engine)
+
+    # checkpoint ------------------------------------------------------------------------------------
+    @hookimpl
+    def save_checkpoint(self, path: str, state: dict[str, Any], format: str) -> None:
+        from stratagem_deepspeed import _checkpoint
+
+        if format == "sharded":
+            _checkpoint.save_sharded(self, path, state)
+        else:
+            Strategy.save_checkpoint(self, path, state, format)
+
+    @hookimpl
+    def load_checkpoint(self, path: str, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+        from stratagem_deepspeed import _checkpoint
+
+        if _checkpoint.is_deepspeed_checkpoint(path):
+            return _checkpoint.load_sharded(self, path, state, strict)
+        return Strategy.load_checkpoint(self, path, state, strict)
+
+    # Whole state on every rank for either format: DeepSpeed's partitions are not DTensors, so a sharded
+    # stratagem checkpoint of another strategy loads here through whole tensors (DCP reads each rank's copy).
+    def module_state_dict(self, module: torch.nn.Module, *, full: bool) -> dict[str, Any]:
+        wrapper = _wrapper(module)
+        return _state.full_module_state(wrapper.module, wrapper.__dict__["engine"])
+
+    def optimizer_state_dict(self, module: torch.nn.Module, optimizer: Any, *, full: bool) -> dict[str, Any]:
+        wrapper = _wrapper(module)
+        engine = _optimizer_engine(optimizer)
+        return _state.full_optimizer_state(engine, _named_groups(wrapper, optimizer))
+
+    def load_module_state_dict(
+        self, module: torch.nn.Module, state_dict: dict[str, Any], *, full: bool, strict: bool
+    ) -> Any:
+        wrapper = _wrapper(module)
+        _state.load_full_module_state(wrapper.module, state_dict, wrapper.__dict__["engine"], strict)
+
+    def load_optimizer_state_dict(
+        self, module: torch.nn.Module, optimizer: Any, state_dict: dict[str, Any], *, full: bool
+    ) -> None:
+        wrapper = _wrapper(module)
+        _state.load_full_optimizer_state(
+            _optimizer_engine(optimizer), _named_groups(wrapper, optimizer), state_dict
+        )
+
+    # teardown --------------------------------------------------------------------------------------
+    @hookimpl
+    def teardown(self) -> None:
+        import gc
+
+        # DeepSpeed's engines hold communication state and, with its CPU Adam, a native thread pool that
+        # aborts the process if it is still alive at interpreter exit: release them before the group.
+        for engine in self._engines:
+            with contextlib.suppress(Exception):
+                engine.destroy()
+        self._engines.clear()
+        gc.collect()
+        TorchDistributedStrategy.teardown(self)
+
+
+# -------------------------------------------------------------------------------------------------
+# helpers
+# -------------------------------------------------------------------------------------------------
+
+
+def _wrapper(model: Any) -> DeepSpeedModule:
+    if not isinstance(model, DeepSpeedModule):
+        raise ConfigurationError(
+            f"Expected the model returned by setup() under a DeepSpeed strategy, got a {type(model).__name__}. "
+            "Pass the wrapped model (model = engine.setup(model, optimizer)[0])."
+        )
+    return model
+
+
+def _engine(model: Any) -> Any:
+    engine = _wrapper(model).__dict__["engine"]
+    if engine is None:
+        raise ConfigurationError(
+            "DeepSpeed trains through its engine, which setup_optimizers() creates: set the model up with its "
+            "optimizer (model, optimizer = engine.setup(model, optimizer)) before backward or step."
+        )
+    return engine
+
+
+def _optimizer_engine(optimizer: Any) -> Any:
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
+        if isinstance(candidate, DeepSpeedOptimizer):
+            return candidate.engine
+    raise ConfigurationError(
+        f"Expected the optimizer returned by setup() under a DeepSpeed strategy, got {type(optimizer).__name__}."
+    )
+
+
+def _named_groups(wrapper: DeepSpeedModule, optimizer: Any) -> list[list[tuple[str, Any]]]:
+    names = {id(p): n for n, p in wrapper.module.named_parameters(remove_duplicate=False)}
+    return [[(names[id(p)], p) for p in group["params"]] for group in optimizer.param_groups]
+
+
+@contextlib.contextmanager
+def _not_a_boundary(engine: Any):
+    engine.set_gradient_accumulation_boundary(False)
+    try:
+        yield
+    finally:
+        engine.set_gradient_accumulation_boundary(True)
