@@ -93,6 +93,10 @@ def full_optimizer_state(engine: Any, groups: list[list[tuple[str, Any]]]) -> di
     ds = _safe()
     base = _runtime.base_optimizer(engine)
     flats = _runtime.flat_partitions(engine)
+    if _runtime.zero_stage(engine) in (1, 2) and any(base.state.get(f) for f in flats):
+        # DeepSpeed links each parameter to its slice of the state on the first step; a state loaded from
+        # DeepSpeed's checkpoint into a fresh engine is not linked yet.
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
     state: dict[str, dict[str, Any]] = {}
     for group_index, group in enumerate(groups):
         for name, param in group:
