@@ -207,11 +207,9 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
     def model_sharded_context(self) -> ContextManager[None]:
         if self.zero_stage != 3:
             return contextlib.nullcontext()
-        config = self.deepspeed_config()
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-            next((k for k in ("bf16", "fp16") if config.get(k, {}).get("enabled")), ""), torch.float32
-        )
-        return self._deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype)
+        # No dtype argument: the config's precision section decides it (DeepSpeed 0.19 reads an explicit
+        # dtype as bf16 on CPUs without fp16 support).
+        return self._deepspeed.zero.Init(config_dict_or_path=self.deepspeed_config())
 
     @hookimpl
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
