@@ -58,6 +58,41 @@ def _print_report(report: dict[str, Any], limit: int) -> None:
         print(f"  ... {len(tensors) - len(shown)} more (--limit 0 lists all)")
 
 
+def _plugin_consolidation(source: str) -> Any:
+    """The consolidation function of the strategy that wrote ``source`` in its own layout, or ``None``.
+
+    A strategy that saves ``sharded`` checkpoints in a layout other than torch.distributed.checkpoint's names
+    the layout in ``stratagem.json`` (``"layout"``) and gives its class a ``consolidate(source, output)``.
+    """
+    from pathlib import Path
+
+    from stratagem._manager import get_registry
+    from stratagem.errors import CheckpointError
+
+    meta_file = Path(source) / "stratagem.json"
+    if not meta_file.is_file():
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError):
+        return None
+    layout = meta.get("layout") if isinstance(meta, dict) else None
+    if not layout:
+        return None
+    strategy = meta.get("strategy")
+    try:
+        cls = get_registry().get(strategy).resolve_factory()
+    except Exception as error:
+        raise CheckpointError(
+            source, f"is a {layout!r}-layout checkpoint of strategy {strategy!r}, which cannot be loaded here "
+            f"to consolidate it: {error}"
+        ) from error
+    function = getattr(cls, "consolidate", None)
+    if not callable(function):
+        raise CheckpointError(source, f"uses layout {layout!r}, and strategy {strategy!r} offers no consolidate().")
+    return function
+
+
 @cli.command("checkpoint")
 def _checkpoint(args: argparse.Namespace) -> int:
     from stratagem.checkpoint import _offline
@@ -69,6 +104,10 @@ def _checkpoint(args: argparse.Namespace) -> int:
         else:
             _print_report(report, args.limit)
         return 0
-    output = _offline.consolidate(args.source, args.output, scratch_dir=args.scratch_dir)
+    plugin_consolidate = _plugin_consolidation(args.source)
+    if plugin_consolidate is not None:
+        output = plugin_consolidate(args.source, args.output)
+    else:
+        output = _offline.consolidate(args.source, args.output, scratch_dir=args.scratch_dir)
     print(f"wrote {output} (full checkpoint, {_size(output.stat().st_size)})")
     return 0

@@ -322,6 +322,17 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
             _optimizer_engine(optimizer), _named_groups(wrapper, optimizer), state_dict
         )
 
+    @staticmethod
+    def consolidate(source: str | os.PathLike[str], output: str | os.PathLike[str]) -> Any:
+        """Write a DeepSpeed-format checkpoint directory as one full stratagem checkpoint (offline).
+
+        ``stratagem checkpoint consolidate`` calls this for directories whose ``stratagem.json`` names the
+        ``deepspeed`` layout. See :func:`stratagem_deepspeed.consolidate`.
+        """
+        from stratagem_deepspeed._checkpoint import consolidate
+
+        return consolidate(source, output)
+
     # teardown --------------------------------------------------------------------------------------
     @hookimpl
     def teardown(self) -> None:
@@ -382,3 +393,4 @@ def _not_a_boundary(engine: Any):
         yield
     finally:
         engine.set_gradient_accumulation_boundary(True)
+

@@ -1,0 +1,117 @@
+"""Worker functions for the DeepSpeed tests: module-level, so that spawned workers import them.
+
+Each runs in every process of a real 2-process gloo group with the real deepspeed package and returns plain
+data for the test to check.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+STEPS = 3
+LR = 1e-2
+#: Per-rank micro-batch, micro-batches per step.
+MICRO, ACCUMULATE = 4, 2
+
+
+class Odd(torch.nn.Module):
+    """Sizes that do not divide by the world size (7 * 5 = 35 weights, 5 and 3 biases): stage 3 pads them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(7, 5)
+        self.fc2 = torch.nn.Linear(5, 3)
+        self.register_buffer("offset", torch.full((3,), 0.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))) + self.offset
+
+
+def data(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    n = STEPS * ACCUMULATE * MICRO * world
+    return torch.randn(n, 7, generator=g), torch.randn(n, 3, generator=g)
+
+
+def reference(world: int, max_norm: float) -> dict[str, Any]:
+    """One process, plain torch, the global batch of each step: what the strategies must reproduce."""
+    torch.manual_seed(0)
+    model = Odd()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = data(world)
+    size = ACCUMULATE * MICRO * world
+    norms = []
+    for step in range(STEPS):
+        loss = F.mse_loss(model(x[step * size : (step + 1) * size]), y[step * size : (step + 1) * size])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms}
+
+
+def _batches(engine: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Rank r's micro-batch j of step s: the same samples a DistributedSampler without shuffling gives it.
+    x, y = data(engine.world_size)
+    size = ACCUMULATE * MICRO * engine.world_size
+    out = []
+    for step in range(STEPS):
+        xs, ys = x[step * size : (step + 1) * size], y[step * size : (step + 1) * size]
+        mine = list(range(engine.rank, size, engine.world_size))
+        for j in range(ACCUMULATE):
+            idx = mine[j * MICRO : (j + 1) * MICRO]
+            out.append((xs[idx], ys[idx]))
+    return out
+
+
+def train_save_consolidate(engine: Any, workdir: str, max_norm: float) -> dict[str, Any]:
+    """Train with accumulation and clipping, save both formats, reload the full one into a fresh model."""
+    torch.use_deterministic_algorithms(True)
+    with engine.init_module():
+        torch.manual_seed(0)
+        model = Odd()
+    model, opt = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    batches = _batches(engine)
+    norms = []
+    for step in range(STEPS):
+        for j in range(ACCUMULATE):
+            x, y = batches[step * ACCUMULATE + j]
+            with engine.no_sync(model, enabled=j < ACCUMULATE - 1):
+                engine.backward(F.mse_loss(model(x), y) / ACCUMULATE, model)
+        norms.append(float(engine.clip_gradients(model, opt, max_norm)))
+        opt.step()
+        opt.zero_grad()
+    strategy = engine.strategy
+    params = strategy.module_state_dict(model, full=True)
+    optim = strategy.optimizer_state_dict(model, opt, full=True)
+    state = {"model": model, "optimizer": opt, "step": STEPS}
+    engine.save(f"{workdir}/full.ckpt", state, format="full")
+    engine.save(f"{workdir}/sharded", state, format="sharded")
+    with engine.init_module():
+        torch.manual_seed(123)
+        fresh = Odd()
+    fresh, fresh_opt = engine.setup(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR))
+    rest = engine.load(f"{workdir}/full.ckpt", {"model": fresh, "optimizer": fresh_opt})
+    loaded = {
+        "params": strategy.module_state_dict(fresh, full=True),
+        "optim": strategy.optimizer_state_dict(fresh, fresh_opt, full=True),
+    }
+    result = {"params": params, "optim": optim, "norms": norms, "loaded": loaded, "rest": rest}
+    return result if engine.rank == 0 else {}
+
+
+def load_full(engine: Any, path: str) -> dict[str, Any]:
+    """Load a full checkpoint under this (non-DeepSpeed) strategy; return what the model and optimizer hold."""
+    torch.manual_seed(99)
+    model = Odd()
+    model, opt = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    rest = engine.load(path, {"model": model, "optimizer": opt})
+    strategy = engine.strategy
+    return {
+        "params": strategy.module_state_dict(model, full=True),
+        "optim": strategy.optimizer_state_dict(model, opt, full=True),
+        "rest": rest,
+    }
