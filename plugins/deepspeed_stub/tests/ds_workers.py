@@ -112,6 +112,6 @@ def load_full(engine: Any, path: str) -> dict[str, Any]:
     strategy = engine.strategy
     return {
         "params": strategy.module_state_dict(model, full=True),
-        "optim": strategy.optimizer_state_dict(model, opt, full=True),
+        "optim": strategy.optimizer_state_dict(model, getattr(opt, "optimizer", opt), full=True),
         "rest": rest,
     }
