@@ -77,7 +77,15 @@ def test_full_checkpoint_loads_back_exactly(run: dict[str, Any]) -> None:
 def _consolidate(run: dict[str, Any]) -> Path:
     output = run["workdir"] / "consolidated.ckpt"
     done = subprocess.run(
-        [sys.executable, "-m", "stratagem", "checkpoint", "consolidate", str(run["workdir"] / "sharded"), str(output)],
+        [
+            sys.executable,
+            "-m",
+            "stratagem",
+            "checkpoint",
+            "consolidate",
+            str(run["workdir"] / "sharded"),
+            str(output),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -75,7 +75,9 @@ def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None
 
         def make_directory() -> None:
             if target.is_file():
-                raise CheckpointError(target, "is a file; a sharded checkpoint is a directory. Choose another path.")
+                raise CheckpointError(
+                    target, "is a file; a sharded checkpoint is a directory. Choose another path."
+                )
             _atomic.recover(target)
             _atomic.remove_stale_temporaries(target)
             tmp.mkdir(parents=True)
@@ -119,8 +121,9 @@ def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None
 
 def _save_engine(engine: Any, directory: Path, tag: str, with_optimizer: bool) -> None:
     with _quiet():
-        engine.save_checkpoint(str(directory), tag=tag, client_state={}, save_latest=False,
-                               exclude_frozen_parameters=False)
+        engine.save_checkpoint(
+            str(directory), tag=tag, client_state={}, save_latest=False, exclude_frozen_parameters=False
+        )
 
 
 def _stage(engine: Any) -> int:
@@ -223,11 +226,15 @@ def consolidate(source: str | Path, output: str | Path) -> Path:
     optimizers: dict[str, Any] = {}
     for key, info in meta.get("engines", {}).items():
         try:
-            weights, optimizer = _consolidate_engine(source / info["tag"], with_optimizer=bool(info.get("optimizer")))
+            weights, optimizer = _consolidate_engine(
+                source / info["tag"], with_optimizer=bool(info.get("optimizer"))
+            )
         except CheckpointError:
             raise
         except Exception as error:
-            raise CheckpointError(source, f"could not consolidate module {key!r}: {type(error).__name__}: {error}") from error
+            raise CheckpointError(
+                source, f"could not consolidate module {key!r}: {type(error).__name__}: {error}"
+            ) from error
         models[key] = weights
         if info.get("optimizer"):
             optimizers[info["optimizer"]] = optimizer
@@ -272,17 +279,25 @@ def _consolidate_engine(tag_dir: Path, *, with_optimizer: bool) -> tuple[dict[st
     ordered = {name: weights[name].clone() for name in module_sd if name in weights}
     if not with_optimizer:
         return ordered, {}
-    optim = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in optim_files]
+    optim = [
+        torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in optim_files
+    ]
     optimizer_state = _consolidate_optimizer(z, stage, world_size, optim, model_states, paddings, ordered)
     return ordered, optimizer_state
 
 
-def _merge(z: Any, stage: int, world_size: int, groups: Any, model_states: Any, paddings: Any) -> dict[str, Any]:
+def _merge(
+    z: Any, stage: int, world_size: int, groups: Any, model_states: Any, paddings: Any
+) -> dict[str, Any]:
     if stage <= 2:
-        merged = z._get_fp32_state_dict_from_zero2_checkpoint(world_size, groups, model_states, False, paddings)
+        merged = z._get_fp32_state_dict_from_zero2_checkpoint(
+            world_size, groups, model_states, False, paddings
+        )
     else:
         merged = z._get_fp32_state_dict_from_zero3_checkpoint(world_size, groups, model_states, False)
-    return {k: (v.contiguous() if hasattr(v, "contiguous") else v) for k, v in z.to_torch_tensor(merged).items()}
+    return {
+        k: (v.contiguous() if hasattr(v, "contiguous") else v) for k, v in z.to_torch_tensor(merged).items()
+    }
 
 
 def _base_states(stage: int, optim: list[dict[str, Any]]) -> list[dict[str, Any]]:

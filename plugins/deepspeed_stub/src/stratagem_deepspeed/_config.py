@@ -35,7 +35,9 @@ def _bucket(value: Any) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigurationError(f"bucket size {value!r}: give a positive number of elements, e.g. 200_000_000.")
+        raise ConfigurationError(
+            f"bucket size {value!r}: give a positive number of elements, e.g. 200_000_000."
+        )
     return value
 
 
@@ -64,8 +66,9 @@ def load_config(value: Any) -> dict[str, Any] | None:
         except (OSError, ValueError) as error:
             raise ConfigurationError(f"DeepSpeed config {path}: not readable as JSON: {error}") from error
         if not isinstance(loaded, dict):
-            raise ConfigurationError(f"DeepSpeed config {path}: the top level is a {type(loaded).__name__}, "
-                                     "not an object.")
+            raise ConfigurationError(
+                f"DeepSpeed config {path}: the top level is a {type(loaded).__name__}, not an object."
+            )
         return loaded
     raise ConfigurationError(
         f"DeepSpeed config={value!r}: give a dict or the path of a JSON file (a {type(value).__name__} is neither)."
@@ -87,8 +90,9 @@ def _logging_level(value: Any) -> int:
             return level
     elif isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise ConfigurationError(f"DeepSpeed logging_level={value!r}: use a logging level such as logging.WARNING "
-                             "or 'INFO'.")
+    raise ConfigurationError(
+        f"DeepSpeed logging_level={value!r}: use a logging level such as logging.WARNING or 'INFO'."
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -180,9 +184,14 @@ class DeepSpeedConfig:
                         "fp16) and remove the section."
                     )
         else:
-            config = {"zero_optimization": self._zero_section(pin_memory=accelerator == "cuda", cap=model_numel)}
+            config = {
+                "zero_optimization": self._zero_section(pin_memory=accelerator == "cuda", cap=model_numel)
+            }
             if self.cpu_checkpointing:
-                config["activation_checkpointing"] = {"partition_activations": True, "cpu_checkpointing": True}
+                config["activation_checkpointing"] = {
+                    "partition_activations": True,
+                    "cpu_checkpointing": True,
+                }
         config.setdefault("train_micro_batch_size_per_gpu", 1)
         config["gradient_accumulation_steps"] = 1
         config.setdefault("steps_per_print", 2**62)

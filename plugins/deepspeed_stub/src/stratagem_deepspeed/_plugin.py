@@ -26,8 +26,16 @@ def _capabilities() -> Capabilities:
 
 
 _NAMES = (
-    ("deepspeed", "DeepSpeed ZeRO (stage 2 unless options say otherwise; config= takes a DeepSpeed config)", {}),
-    ("deepspeed_stage_1", "DeepSpeed ZeRO stage 1: optimizer state partitioned across processes", {"stage": 1}),
+    (
+        "deepspeed",
+        "DeepSpeed ZeRO (stage 2 unless options say otherwise; config= takes a DeepSpeed config)",
+        {},
+    ),
+    (
+        "deepspeed_stage_1",
+        "DeepSpeed ZeRO stage 1: optimizer state partitioned across processes",
+        {"stage": 1},
+    ),
     ("deepspeed_stage_2", "DeepSpeed ZeRO stage 2: optimizer state and gradients partitioned", {"stage": 2}),
     (
         "deepspeed_stage_2_offload",

@@ -56,7 +56,9 @@ def load_full_module_state(
         missing = sorted(set(current) - set(state))
         unexpected = sorted(set(state) - set(current))
         if missing or unexpected:
-            raise KeyError(f"state dict does not match the module: missing {missing}, unexpected {unexpected}")
+            raise KeyError(
+                f"state dict does not match the module: missing {missing}, unexpected {unexpected}"
+            )
     stage = _runtime.zero_stage(engine) if engine is not None else 0
     for name, target in current.items():
         if name not in state or not isinstance(target, torch.Tensor):
@@ -118,7 +120,9 @@ def full_optimizer_state(engine: Any, groups: list[list[tuple[str, Any]]]) -> di
     return {"state": state, "param_groups": param_groups}
 
 
-def load_full_optimizer_state(engine: Any, groups: list[list[tuple[str, Any]]], saved: dict[str, Any]) -> None:
+def load_full_optimizer_state(
+    engine: Any, groups: list[list[tuple[str, Any]]], saved: dict[str, Any]
+) -> None:
     """Fill DeepSpeed's partitioned optimizer state from a full, name-keyed optimizer state dict."""
     ds = _safe()
     base = _runtime.base_optimizer(engine)
@@ -146,7 +150,7 @@ def load_full_optimizer_state(engine: Any, groups: list[list[tuple[str, Any]]], 
     for index, values in scalars.items():
         for key, value in values.items():
             base.state[flats[index]][key] = value.clone() if isinstance(value, torch.Tensor) else value
-    for group_index, group in enumerate(groups):
+    for group in groups:
         for name, param in group:
             for key, value in (saved_state.get(name) or {}).items():
                 if not _per_element(value):
@@ -202,8 +206,9 @@ def _set_stage3_partition(engine: Any, param: Any, value: torch.Tensor, key: str
     size = partition.numel()
     rank = optimizer._get_param_partition_rank(param)
     flat = value.detach().reshape(-1).to(partition.device, partition.dtype)
-    padded = torch.zeros(size * optimizer._get_param_partition_world_size(param), dtype=flat.dtype,
-                         device=flat.device)
+    padded = torch.zeros(
+        size * optimizer._get_param_partition_world_size(param), dtype=flat.dtype, device=flat.device
+    )
     padded[: flat.numel()] = flat
     partition.data.copy_(padded.narrow(0, size * rank, size))
     if optimizer._swappable_optimizer_subgroup(group):

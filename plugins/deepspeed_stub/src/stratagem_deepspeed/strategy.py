@@ -100,7 +100,9 @@ class DeepSpeedOptimizer:
         return self.engine.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.engine.optimizer.load_state_dict([state_dict] if _runtime.zero_stage(self.engine) else state_dict)
+        self.engine.optimizer.load_state_dict(
+            [state_dict] if _runtime.zero_stage(self.engine) else state_dict
+        )
 
     def __repr__(self) -> str:
         return f"DeepSpeedOptimizer({type(self.optimizer).__name__}, zero_stage={_runtime.zero_stage(self.engine)})"
@@ -189,7 +191,9 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
         TorchDistributedStrategy.setup_environment(self, cluster, precision)
         self._deepspeed = _runtime.import_deepspeed(cluster.accelerator, self.config.logging_level)
         # Reuses the process group made above instead of creating DeepSpeed's own.
-        self._deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
+        self._deepspeed.init_distributed(
+            dist_backend=torch.distributed.get_backend(), dist_init_required=False
+        )
 
     # model -----------------------------------------------------------------------------------------
     @hookimpl
@@ -214,7 +218,9 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
     @hookimpl
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, DeepSpeedModule):
-            raise ConfigurationError("wrap_model: the model is wrapped already; pass the plain module to setup().")
+            raise ConfigurationError(
+                "wrap_model: the model is wrapped already; pass the plain module to setup()."
+            )
         if not any(hasattr(p, "ds_id") for p in model.parameters()):
             model = Strategy.wrap_model(self, model)
         return DeepSpeedModule(model)
@@ -234,10 +240,14 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
                 "in one optimizer (several parameter groups are fine)."
             )
         if wrapper.__dict__["engine"] is not None:
-            raise ConfigurationError("This model has its DeepSpeed engine already; set up its optimizer once.")
+            raise ConfigurationError(
+                "This model has its DeepSpeed engine already; set up its optimizer once."
+            )
         optimizer = optimizers[0]
         if isinstance(optimizer, DeepSpeedOptimizer):
-            raise ConfigurationError("setup_optimizers: pass the torch optimizer, not the one setup returned.")
+            raise ConfigurationError(
+                "setup_optimizers: pass the torch optimizer, not the one setup returned."
+            )
         groups = [list(group["params"]) for group in optimizer.param_groups]
         engine, *_ = self._deepspeed.initialize(
             model=wrapper.module,
@@ -393,4 +403,3 @@ def _not_a_boundary(engine: Any):
         yield
     finally:
         engine.set_gradient_accumulation_boundary(True)
-
