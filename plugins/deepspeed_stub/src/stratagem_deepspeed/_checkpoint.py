@@ -19,10 +19,16 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic
-from stratagem.checkpoint._io import _agree, _attempt, _gather_per_rank, _local_state, _restore_plain
-from stratagem.checkpoint._io import read_sharded_state as _read_state
-from stratagem.checkpoint._layout import METADATA_FILE, STATE_FILE, classify, metadata, owner_of
+import stratagem
+from stratagem.checkpoint import layouts
+from stratagem.checkpoint.layouts import METADATA_FILE, STATE_FILE, metadata, owner_of
+from stratagem.checkpoint.layouts import agree as _agree
+from stratagem.checkpoint.layouts import attempt as _attempt
+from stratagem.checkpoint.layouts import gather_per_rank as _gather_per_rank
+from stratagem.checkpoint.layouts import local_state as _local_state
+from stratagem.checkpoint.layouts import read_sharded_state as _read_state
+from stratagem.checkpoint.layouts import restore_plain as _restore_plain
+from stratagem.checkpoint.layouts import split_state as classify
 from stratagem.errors import CheckpointError
 
 #: ``stratagem.json``'s ``layout`` for a DeepSpeed directory (a stratagem DCP directory has none).
@@ -30,7 +36,7 @@ LAYOUT = "deepspeed"
 
 
 def is_deepspeed_checkpoint(path: str | Path) -> bool:
-    directory = _atomic.recover(Path(path))
+    directory = layouts.recover(Path(path))
     if not (directory / METADATA_FILE).is_file():
         return False
     try:
@@ -67,7 +73,7 @@ def _engines(state_parts: Any) -> dict[str, tuple[Any, str | None]]:
 def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None:
     target = Path(path)
     parts = classify(state)
-    tmp = Path(strategy.broadcast(str(_atomic.temporary_sibling(target)), 0))
+    tmp = Path(strategy.broadcast(str(layouts.temporary_sibling(target)), 0))
     engines, error = _attempt(_engines, parts)
     if error is None:
         local, error = _attempt(_local_state, parts)
@@ -78,8 +84,8 @@ def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None
                 raise CheckpointError(
                     target, "is a file; a sharded checkpoint is a directory. Choose another path."
                 )
-            _atomic.recover(target)
-            _atomic.remove_stale_temporaries(target)
+            layouts.recover(target)
+            layouts.remove_stale_temporaries(target)
             tmp.mkdir(parents=True)
 
         _, error = _attempt(make_directory)
@@ -107,15 +113,15 @@ def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None
             }
             meta = metadata(strategy, "sharded", parts, extra)
             (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
-            _atomic.fsync_tree(tmp)
-            _atomic.publish_directory(tmp, target)
+            layouts.fsync_tree(tmp)
+            layouts.publish_directory(tmp, target)
 
         if strategy.is_global_zero:
             _, error = _attempt(write_rest)
         _agree(strategy, target, error)
     except BaseException:
         if strategy.is_global_zero:
-            _atomic.remove(tmp)
+            layouts.remove(tmp)
         raise
 
 
@@ -151,7 +157,7 @@ def _quiet():
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
-    from stratagem.checkpoint._layout import read_json_metadata
+    from stratagem.checkpoint.layouts import read_json_metadata
 
     meta = read_json_metadata(path)
     if meta.get("layout") != LAYOUT:
@@ -160,7 +166,7 @@ def read_metadata(path: Path) -> dict[str, Any]:
 
 
 def load_sharded(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-    source = _atomic.recover(Path(path))
+    source = layouts.recover(Path(path))
     meta = read_metadata(source)
     parts = classify(state)
     saved_world = meta.get("world_size")
@@ -215,10 +221,9 @@ def consolidate(source: str | Path, output: str | Path) -> Path:
     (loss scaler, engine step counters), which a full checkpoint has no place for. The DeepSpeed files are
     read with DeepSpeed's loader (see the module's trust note).
     """
-    from stratagem._version import __version__
-    from stratagem.checkpoint._layout import FORMAT_VERSION
+    from stratagem.checkpoint.layouts import FORMAT_VERSION
 
-    source, output = _atomic.recover(Path(source)), Path(output)
+    source, output = layouts.recover(Path(source)), Path(output)
     meta = read_metadata(source)
     if output.is_dir():
         raise CheckpointError(output, "is a directory; give the path of the full checkpoint file to write.")
@@ -244,7 +249,7 @@ def consolidate(source: str | Path, output: str | Path) -> Path:
             "format_version": FORMAT_VERSION,
             "format": "full",
             "torch_version": str(torch.__version__),
-            "stratagem_version": __version__,
+            "stratagem_version": stratagem.__version__,
             "consolidated_from": {
                 "path": str(source),
                 "format": "sharded",
@@ -257,7 +262,7 @@ def consolidate(source: str | Path, output: str | Path) -> Path:
         "state": _read_state(source),
     }
     output.parent.mkdir(parents=True, exist_ok=True)
-    with _atomic.atomic_file(output) as tmp:
+    with layouts.atomic_file(output) as tmp:
         torch.save(payload, tmp)
     return output
 
