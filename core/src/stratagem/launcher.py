@@ -33,8 +33,9 @@ WORKER_ENV = "STRATAGEM_WORKER"
 #: Beside the agent's error file, a worker notes when it failed (see :func:`_root_failure`).
 FAILURE_SUFFIX = ".stratagem.json"
 #: glibc keeps freed buffers above its dynamic mmap threshold in the heap; FSDP's all-gather buffers then
-#: pile up in RSS. A fixed threshold returns them to the OS (see benchmarks/memory.py for the measurement).
-CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+#: pile up in RSS. A fixed threshold returns them to the OS; huge pages for malloc's mappings keep the page
+#: faults of fresh buffers from costing step time (measured in benchmarks/allocator.py).
+CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
 def free_port() -> int:
