@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -77,7 +78,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)
     times, grads = [], 0
+    usage = None
     for step in range(args.steps):
+        if step == args.warmup:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
         x, y = inner.example_batch(args.batch_size, generator)
         start = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -87,6 +91,9 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    timed = max(1, args.steps - args.warmup)
+    usage = usage or end
     dist.barrier()
     params, state = parameter_bytes(model), optimizer_bytes(model, [optimizer])
     peak = peak_rss_bytes()
@@ -101,7 +108,12 @@ def main() -> None:
         "peak_rss_above_baseline_bytes": max(0, peak - baseline),
         "step_times_s": times,
         "timed_steps_s": times[args.warmup :] or times,
-        "allocator_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        # CPU time and page faults per timed step: what an allocator setting costs, less exposed to other jobs
+        # on the machine than wall time.
+        "cpu_s_per_step": (end.ru_utime + end.ru_stime - usage.ru_utime - usage.ru_stime) / timed,
+        "sys_s_per_step": (end.ru_stime - usage.ru_stime) / timed,
+        "minor_faults_per_step": (end.ru_minflt - usage.ru_minflt) / timed,
+        "allocator_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
     }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -119,8 +131,8 @@ def launch(
     nproc: int = 2,
     timeout: float = 900,
 ) -> list[dict[str, Any]]:
-    """Run this worker in ``nproc`` processes with exactly ``allocator_env`` as the MALLOC_* settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    """Run this worker in ``nproc`` processes with exactly ``allocator_env`` as the MALLOC_* and GLIBC_TUNABLES settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     env.update(allocator_env)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     with tempfile.TemporaryDirectory(prefix="raw-train-") as out:

@@ -248,13 +248,24 @@ def parameter_bytes(model: Any) -> int:
 
 
 def gradient_bytes(model: Any, optimizers: Sequence[Any] = ()) -> int:
-    """Gradients alive now: the model's, plus those of parameters an optimizer keeps apart from the model
-    (flat master partitions of a ZeRO-style optimizer)."""
+    """Gradients alive now: the model's, those of parameters an optimizer keeps apart from the model (flat
+    master partitions), and gradient partitions an optimizer holds itself (ZeRO's ``averaged_gradients``)."""
+    import torch
+
     seen = {id(p) for p in model.parameters()}
-    total = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    for param in _optimizer_own_params(optimizers, seen):
-        if param.grad is not None:
-            total += local_bytes(param.grad)
+    counted: set[int] = set()
+    tensors = [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [p.grad for p in _optimizer_own_params(optimizers, seen) if p.grad is not None]
+    for optimizer in optimizers:
+        for inner in _inner_optimizers(optimizer):
+            held = inner.__dict__.get("averaged_gradients") if hasattr(inner, "__dict__") else None
+            for value in (held or {}).values() if isinstance(held, dict) else ():
+                tensors += [value] if isinstance(value, torch.Tensor) else list(value or [])
+    total = 0
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in counted:
+            counted.add(id(tensor))
+            total += local_bytes(tensor)
     return total
 
 
@@ -384,7 +395,7 @@ def _measure(column: Column, job: Job) -> dict[str, Any]:
         "cuda_baseline_bytes": baseline_cuda if cuda else None,
         "step_times_s": times,
         "final_loss": float(loss.detach().float().cpu()),
-        "allocator_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        "allocator_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
         "threads": torch.get_num_threads(),
     }
     engine.teardown()
@@ -696,8 +707,9 @@ def plot(results: Sequence[ColumnResult], path: str, *, model: str, devices: int
     left.set_ylabel("memory per rank (MB)")
     left.set_title("Memory per rank (largest rank)")
     top = max((r.largest(key) or 0) / MB for _, key in series for r in results)
-    left.set_ylim(0, top * 1.3 or 1)
-    left.legend(fontsize=8, loc="upper left", ncol=2)
+    # Head room above the tallest bar keeps the legend clear of the bars.
+    left.set_ylim(0, top * 1.45 or 1)
+    left.legend(fontsize=8, loc="upper right")
     speeds = [r.iterations_per_second for r in results]
     bars = right.bar(range(len(labels)), speeds, 0.6, color="tab:green")
     right.bar_label(bars, fmt="%.2f", fontsize=8)
