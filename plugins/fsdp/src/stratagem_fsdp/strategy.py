@@ -137,13 +137,14 @@ class FSDPStrategy(TorchDistributedStrategy):
         if self.config.mixed_precision is not None:
             return self.config.mixed_precision
         dtype = _MIXED.get(self.precision)
-        # Compute in the low precision, reduce gradients in float32: the sharded parameters and the optimizer
-        # stay float32.
-        return (
-            MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-            if dtype
-            else MixedPrecisionPolicy()
-        )
+        if dtype is not None:
+            # Compute in the low precision, reduce gradients in float32: the sharded parameters and the
+            # optimizer stay float32.
+            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if self.precision == "bf16-true":
+            # The parameters are bf16 already; the policy casts floating-point inputs to match them.
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        return MixedPrecisionPolicy()
 
     def offload(self) -> OffloadPolicy:
         if self.config.cpu_offload is False or self.device.type != "cuda":
