@@ -97,7 +97,11 @@ def to_mixed_precision(value: Any) -> Any:
         return MixedPrecisionPolicy(
             param_dtype=value.param_dtype,
             reduce_dtype=value.reduce_dtype,
-            cast_forward_inputs=bool(getattr(value, "cast_forward_inputs", True)),
+            # FSDP1 cast the root's inputs by default (cast_root_forward_inputs); FSDP2 casts at the root too.
+            cast_forward_inputs=bool(
+                getattr(value, "cast_forward_inputs", False)
+                or getattr(value, "cast_root_forward_inputs", True)
+            ),
         )
     return value
 
