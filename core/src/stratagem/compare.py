@@ -249,34 +249,43 @@ def parameter_bytes(model: Any) -> int:
 
 def gradient_bytes(model: Any, optimizers: Sequence[Any] = ()) -> int:
     """Gradients alive now: the model's, those of parameters an optimizer keeps apart from the model (flat
-    master partitions), and gradient partitions an optimizer holds itself (ZeRO's ``averaged_gradients``)."""
+    master partitions), and gradient partitions a ZeRO-style optimizer holds itself (``averaged_gradients``,
+    ``grads_in_partition``; counted once per buffer, since they are views of it)."""
     import torch
 
     seen = {id(p) for p in model.parameters()}
-    counted: set[int] = set()
-    tensors = [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [p.grad for p in _optimizer_own_params(optimizers, seen) if p.grad is not None]
+    total = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    total += sum(local_bytes(p.grad) for p in _optimizer_own_params(optimizers, seen) if p.grad is not None)
+    held: list[Any] = []
     for optimizer in optimizers:
         for inner in _inner_optimizers(optimizer):
-            held = inner.__dict__.get("averaged_gradients") if hasattr(inner, "__dict__") else None
-            for value in (held or {}).values() if isinstance(held, dict) else ():
-                tensors += [value] if isinstance(value, torch.Tensor) else list(value or [])
-    total = 0
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and id(tensor) not in counted:
-            counted.add(id(tensor))
-            total += local_bytes(tensor)
-    return total
+            attributes = getattr(inner, "__dict__", {})
+            partitions = attributes.get("averaged_gradients")
+            if isinstance(partitions, dict):
+                for value in partitions.values():
+                    held += [value] if isinstance(value, torch.Tensor) else list(value or [])
+            held.append(attributes.get("grads_in_partition"))
+    buffers: dict[int, int] = {}
+    for tensor in held:
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            buffers[storage.data_ptr()] = storage.nbytes()
+    return total + sum(buffers.values())
 
 
 def _inner_optimizers(optimizer: Any) -> Iterator[Any]:
-    """The optimizer and those it wraps (``.optimizer`` chains: stratagem's wrapper, ZeRO optimizers)."""
+    """The optimizer and those it wraps: ``.optimizer`` chains (stratagem's wrapper, ZeRO optimizers) and an
+    ``.engine.optimizer`` beside them (an optimizer that steps through a training engine)."""
     seen: set[int] = set()
-    current = optimizer
-    while current is not None and id(current) not in seen:
+    pending = [optimizer]
+    while pending:
+        current = pending.pop(0)
+        if current is None or id(current) in seen:
+            continue
         seen.add(id(current))
         yield current
-        current = getattr(current, "optimizer", None)
+        pending.append(getattr(current, "optimizer", None))
+        pending.append(getattr(getattr(current, "engine", None), "optimizer", None))
 
 
 def _optimizer_own_params(optimizers: Sequence[Any], model_params: set[int]) -> Iterator[Any]:
