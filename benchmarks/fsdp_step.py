@@ -1,0 +1,126 @@
+"""Step time of ``fsdp`` through stratagem's Engine against a hand-written ``fully_shard`` loop, in one run.
+
+Two gloo processes on CPU. Both loops shard the same MLP the same way (one ``fully_shard`` unit per block,
+then the root, FULL_SHARD) over a 1D mesh of the same process group, and train on the same batches with
+AdamW; their steps alternate so that machine noise falls on both alike. Prints each loop's median step time
+and the median ratio of neighbouring steps (stratagem / raw; the target is at most 1.03).
+
+    python benchmarks/fsdp_step.py [--width 1024] [--depth 4] [--batch 64] [--steps 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import stratagem as sg
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def make_model(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[Block(width) for _ in range(depth)], torch.nn.Linear(width, 16))
+
+
+class RawLoop:
+    def __init__(self, width: int, depth: int) -> None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        model = make_model(width, depth)
+        for block in model[:-1]:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        self.model = fully_shard(model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        F.mse_loss(self.model(x), y).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+class StratagemLoop:
+    def __init__(self, width: int, depth: int) -> None:
+        from stratagem_fsdp import FSDPStrategy
+
+        self.engine = sg.Engine(strategy=FSDPStrategy(auto_wrap_policy={Block}), accelerator="cpu", devices=2)
+        model = make_model(width, depth)
+        self.model, self.opt = self.engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        with self.engine.forward_context():
+            loss = F.mse_loss(self.model(x), y)
+        self.engine.backward(loss, self.model)
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def _timed_step(loop: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    loop.step(x, y)
+    dist.barrier()  # the step ends when the slower rank is done
+    return time.perf_counter() - start
+
+
+def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(engine.rank)
+    data = [
+        (torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 16, generator=g))
+        for _ in range(args.steps)
+    ]
+    loops = {"raw": RawLoop(args.width, args.depth), "stratagem": StratagemLoop(args.width, args.depth)}
+    for loop in loops.values():  # warm-up: lazy init, allocator, autograd caches
+        for x, y in data[:3]:
+            _timed_step(loop, x, y)
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for i, (x, y) in enumerate(data):
+        for name in list(loops) if i % 2 == 0 else list(reversed(loops)):
+            times[name].append(_timed_step(loops[name], x, y))
+    ratios = [ours / raw for raw, ours in zip(times["raw"], times["stratagem"], strict=True)]
+    return {
+        "raw": statistics.median(times["raw"]),
+        "stratagem": statistics.median(times["stratagem"]),
+        "ratio": statistics.median(ratios),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per loop")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = parser.parse_args()
+
+    result = sg.Engine(strategy="fsdp", accelerator="cpu", devices=2).launch(run, args)
+    print(
+        f"model: {args.depth} blocks of Linear {args.width}->{2 * args.width}->{args.width} + head, "
+        f"batch {args.batch} per rank, AdamW, 2 processes, gloo, FULL_SHARD per block + root"
+    )
+    print(f"raw fully_shard loop:   {result['raw'] * 1e3:8.2f} ms/step (median of {args.steps} steps)")
+    print(f"stratagem fsdp (Engine): {result['stratagem'] * 1e3:8.2f} ms/step")
+    print(f"ratio stratagem/raw:     {result['ratio']:8.3f}  (median of paired steps; target <= 1.03)")
+
+
+if __name__ == "__main__":
+    main()
