@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.compare import Column, ColumnResult, format_table, parse_columns
+from stratagem.compare import Column, ColumnResult, format_table, load_model_factory, parse_columns
 from stratagem.errors import ConfigurationError
 
 
@@ -59,6 +59,37 @@ def test_bad_requests_fail_before_launching() -> None:
     assert too_many.returncode == 2 and "world size" in too_many.stderr.lower()
     model = run_cli("--strategies", "single_device", "--devices", "1", "--model", "huge", timeout=60)
     assert model.returncode == 2 and "small" in model.stderr and "PATH:Class" in model.stderr
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    # matplotlib is blocked in this interpreter only, as if it were not installed.
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from stratagem.cli import main; "
+        f"sys.exit(main(['compare', '--strategies', 'single_device', '--devices', '1', '--plot', {str(tmp_path / 'x.png')!r}]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "pip install 'stratagem[plot]'" in done.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_model_from_a_file(tmp_path: Path) -> None:
+    source = tmp_path / "my_model.py"
+    source.write_text(
+        "import torch\n"
+        "class Good(torch.nn.Module):\n"
+        "    def example_batch(self, batch_size, generator):\n"
+        "        return torch.randn(batch_size, 2, generator=generator)\n"
+        "class NoBatches(torch.nn.Module):\n"
+        "    pass\n"
+    )
+    assert load_model_factory(f"{source}:Good").__name__ == "Good"
+    with pytest.raises(ConfigurationError, match="example_batch"):
+        load_model_factory(f"{source}:NoBatches")
+    with pytest.raises(ConfigurationError, match="no attribute 'Missing'"):
+        load_model_factory(f"{source}:Missing")
+    with pytest.raises(ConfigurationError, match="is not a file"):
+        load_model_factory(f"{tmp_path / 'nope.py'}:Good")
 
 
 def _expected_small_model_bytes() -> tuple[int, int]:

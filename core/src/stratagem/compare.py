@@ -606,7 +606,9 @@ def run(
 
 
 def _mb(value: float | None) -> str:
-    return "-" if value is None else f"{value / MB:,.0f}"
+    if value is None:
+        return "-"
+    return f"{value / MB:,.1f}" if value < 10 * MB else f"{value / MB:,.0f}"
 
 
 def table_rows(results: Sequence[ColumnResult]) -> list[tuple[str, list[str]]]:
