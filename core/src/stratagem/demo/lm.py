@@ -80,22 +80,23 @@ class CharLM(sg.Module):
         self.head = torch.nn.Linear(c["dim"], c["vocab"])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits of every position, as ``(batch * time, vocab)``."""
         x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        # Flattened before the head, so the result is not a view: FSDP warns about returning one, since an
+        # in-place op on it would skip its pre-backward hook.
+        return self.head(self.ln(x).flatten(0, 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = F.cross_entropy(self(x), y.reshape(-1))
         self.losses.append(loss.detach())
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        logits = self(x)
-        self.log("val_loss", F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+        self.log("val_loss", F.cross_entropy(self(x), y.reshape(-1)))
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
