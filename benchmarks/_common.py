@@ -34,3 +34,35 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
 
 def python() -> str:
     return sys.executable
+
+
+def timed_step(loop, *batch) -> float:
+    """Seconds of one ``loop.step(*batch)`` across ranks: it ends when the slower rank is done."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    loop.step(*batch)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def paired_step_times(loops: dict, data: Sequence, warmup: int = 3) -> dict[str, float]:
+    """Median step time of ``loops["raw"]`` and ``loops["stratagem"]`` and the median ratio of paired steps.
+
+    Steps alternate between the loops, each going first every other time, so that a burst of load from
+    elsewhere on the machine hits both alike; neighbouring steps form the pairs.
+    """
+    for loop in loops.values():  # warm-up: lazy init, allocator, bucket rebuild, autograd caches
+        for batch in data[:warmup]:
+            timed_step(loop, *batch)
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for i, batch in enumerate(data):
+        for name in list(loops) if i % 2 == 0 else list(reversed(loops)):
+            times[name].append(timed_step(loops[name], *batch))
+    ratios = [ours / raw for raw, ours in zip(times["raw"], times["stratagem"])]
+    return {
+        "raw": statistics.median(times["raw"]),
+        "stratagem": statistics.median(times["stratagem"]),
+        "ratio": statistics.median(ratios),
+    }

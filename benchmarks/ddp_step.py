@@ -10,16 +10,18 @@ median ratio of neighbouring steps (stratagem / raw; the target is at most 1.03)
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import stratagem as sg
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import paired_step_times
 
 
 def make_model(width: int, depth: int) -> torch.nn.Module:
@@ -61,14 +63,6 @@ class StratagemLoop:
         self.opt.zero_grad()
 
 
-def _timed_step(loop: Any, x: torch.Tensor, y: torch.Tensor) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    loop.step(x, y)
-    dist.barrier()  # the step ends when the slower rank is done
-    return time.perf_counter() - start
-
-
 def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     data = batches(args.steps, args.batch, args.width, engine.rank)
@@ -76,22 +70,7 @@ def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
         "raw": RawLoop(args.width, args.depth),
         "stratagem": StratagemLoop(engine, args.width, args.depth),
     }
-    for loop in loops.values():  # warm-up: allocator, bucket rebuild, autograd caches
-        for x, y in data[:3]:
-            _timed_step(loop, x, y)
-    times: dict[str, list[float]] = {name: [] for name in loops}
-    # Steps alternate between the loops, each loop going first every other time, so that a burst of load from
-    # elsewhere on the machine hits both alike; pairs of neighbouring steps give the ratio.
-    for i, (x, y) in enumerate(data):
-        order = list(loops) if i % 2 == 0 else list(reversed(loops))
-        for name in order:
-            times[name].append(_timed_step(loops[name], x, y))
-    ratios = [ours / raw for raw, ours in zip(times["raw"], times["stratagem"])]
-    return {
-        "raw": statistics.median(times["raw"]),
-        "stratagem": statistics.median(times["stratagem"]),
-        "ratio": statistics.median(ratios),
-    }
+    return paired_step_times(loops, data)
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ and the median ratio of neighbouring steps (stratagem / raw; the target is at mo
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import stratagem as sg
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import paired_step_times
 
 
 class Block(torch.nn.Module):
@@ -70,14 +73,6 @@ class StratagemLoop:
         self.opt.zero_grad()
 
 
-def _timed_step(loop: Any, x: torch.Tensor, y: torch.Tensor) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    loop.step(x, y)
-    dist.barrier()  # the step ends when the slower rank is done
-    return time.perf_counter() - start
-
-
 def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(engine.rank)
@@ -86,19 +81,7 @@ def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.steps)
     ]
     loops = {"raw": RawLoop(args.width, args.depth), "stratagem": StratagemLoop(args.width, args.depth)}
-    for loop in loops.values():  # warm-up: lazy init, allocator, autograd caches
-        for x, y in data[:3]:
-            _timed_step(loop, x, y)
-    times: dict[str, list[float]] = {name: [] for name in loops}
-    for i, (x, y) in enumerate(data):
-        for name in list(loops) if i % 2 == 0 else list(reversed(loops)):
-            times[name].append(_timed_step(loops[name], x, y))
-    ratios = [ours / raw for raw, ours in zip(times["raw"], times["stratagem"], strict=True)]
-    return {
-        "raw": statistics.median(times["raw"]),
-        "stratagem": statistics.median(times["stratagem"]),
-        "ratio": statistics.median(ratios),
-    }
+    return paired_step_times(loops, data)
 
 
 def main() -> None:
