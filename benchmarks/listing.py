@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import median, python, table, time_command  # noqa: E402
+from _common import median, python, table, time_command
 
 LIGHTNING = (
     "from lightning.pytorch.strategies import StrategyRegistry; print(len(StrategyRegistry.available_strategies()))"
