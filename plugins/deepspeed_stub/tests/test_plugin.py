@@ -151,3 +151,47 @@ def test_environment_variable_names_the_config(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv(CONFIG_ENV, str(file))
     assert DeepSpeedStrategy().zero_stage == 3
     assert DeepSpeedStrategy(config={"zero_optimization": {"stage": 1}}).zero_stage == 1
+
+
+class _Payload:
+    """Pickles as a call that writes a marker file: what a crafted checkpoint would run if unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "code ran"))
+
+
+@pytest.mark.deepspeed
+def test_a_crafted_deepspeed_directory_runs_no_code(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    import torch
+
+    from stratagem.errors import CheckpointError
+    from stratagem_deepspeed._checkpoint import consolidate, weights_only_loads
+
+    marker = tmp_path / "marker"
+    source = tmp_path / "ckpt"
+    tag = source / "model"
+    tag.mkdir(parents=True)
+    evil = {"module": {"w": torch.zeros(2)}, "x": _Payload(marker)}
+    torch.save(evil, tag / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": _Payload(marker)}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (source / "stratagem.json").write_text(
+        json.dumps(
+            {
+                "format_version": 1,
+                "format": "sharded",
+                "layout": "deepspeed",
+                "world_size": 1,
+                "engines": {"model": {"tag": "model", "optimizer": "optimizer"}},
+            }
+        )
+    )
+    with pytest.raises(CheckpointError, match="could not consolidate module 'model'"):
+        consolidate(source, tmp_path / "out.ckpt")
+    with weights_only_loads(), pytest.raises(Exception, match="weights_only|Unsupported global"):
+        torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
+    assert not marker.exists()
+    assert torch.load.__module__ == "torch.serialization"  # restored after the block

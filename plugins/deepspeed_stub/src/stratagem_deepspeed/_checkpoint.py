@@ -1,12 +1,11 @@
 """The ``sharded`` format of the DeepSpeed strategies: DeepSpeed's own checkpoint directory, plus stratagem's
 ``stratagem.json`` and ``state.pt`` (the plain entries, readable with ``weights_only=True``).
 
-Trust: DeepSpeed writes its optimizer files with pickled DeepSpeed objects and reads them back with
-``torch.load(weights_only=False)``, which runs whatever code a crafted file asks for. stratagem itself never
-unpickles code from a checkpoint; loading a DeepSpeed-format directory (``Engine.load``, a resume, or
-:func:`consolidate`) hands exactly DeepSpeed's own files to DeepSpeed's own loader, so load only DeepSpeed
-directories you trust (your own runs). Full checkpoints (``format="full"``, or the output of
-``stratagem checkpoint consolidate``) never need it.
+No pickled code: DeepSpeed writes its optimizer files with three of its own classes pickled inside and reads
+them back with ``torch.load(weights_only=False)``, which would run whatever a crafted file asks for. Every read
+of a DeepSpeed directory here (``Engine.load``, a resume, :func:`consolidate`) runs inside
+:func:`weights_only_loads`, which turns DeepSpeed's loads into ``weights_only=True`` loads with exactly those
+three classes allowed; anything else in a file is refused.
 """
 
 from __future__ import annotations
@@ -108,8 +107,8 @@ def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None
                     key: {"tag": key, "optimizer": opt_key, "zero_stage": _stage(engine)}
                     for key, (engine, opt_key) in engines.items()
                 },
-                "trust": "DeepSpeed's optimizer files load with pickle (weights_only=False); load only "
-                "directories you trust, or use a consolidated full checkpoint.",
+                "loading": "DeepSpeed's files are read weights-only, with only LossScaler, ZeroStageEnum and "
+                "fragment_address allowed besides tensors and builtins.",
             }
             meta = metadata(strategy, "sharded", parts, extra)
             (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
@@ -142,6 +141,41 @@ def _deepspeed_version() -> str:
     import deepspeed
 
     return str(deepspeed.__version__)
+
+
+#: The only non-tensor classes DeepSpeed 0.19 pickles into its checkpoint files.
+DEEPSPEED_CHECKPOINT_CLASSES = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
+
+
+@contextlib.contextmanager
+def weights_only_loads() -> Any:
+    """Inside this block, every ``torch.load`` (DeepSpeed's included, which ask for ``weights_only=False``)
+    reads weights-only, with just :data:`DEEPSPEED_CHECKPOINT_CLASSES` allowed besides tensors and builtins.
+
+    DeepSpeed offers no switch for this; its loaders call ``torch.load`` through the module, so the block
+    replaces that one function and restores it on the way out.
+    """
+    import importlib
+
+    import torch.serialization
+
+    allowed = [getattr(importlib.import_module(m), name) for m, name in DEEPSPEED_CHECKPOINT_CLASSES]
+    original = torch.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(allowed):
+            return original(*args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
 
 
 @contextlib.contextmanager
@@ -190,7 +224,7 @@ def load_sharded(strategy: Any, path: str | Path, state: dict[str, Any], strict:
         load_optimizer = optimizer_key is not None and saved_engines[key].get("optimizer") is not None
 
         def load(engine: Any = engine, key: str = key, load_optimizer: bool = load_optimizer) -> None:
-            with _quiet():
+            with _quiet(), weights_only_loads():
                 loaded, _ = engine.load_checkpoint(
                     str(source),
                     tag=key,
@@ -219,7 +253,7 @@ def consolidate(source: str | Path, output: str | Path) -> Path:
     such as Adam's moments and the step count) keyed by parameter name, with the hyperparameters of each
     parameter group; plus the plain entries of ``state.pt``. Not consolidated: DeepSpeed's own bookkeeping
     (loss scaler, engine step counters), which a full checkpoint has no place for. The DeepSpeed files are
-    read with DeepSpeed's loader (see the module's trust note).
+    read with DeepSpeed's loader, weights-only (see the module's note).
     """
     from stratagem.checkpoint.layouts import FORMAT_VERSION
 
@@ -245,7 +279,7 @@ def consolidate(source: str | Path, output: str | Path) -> Path:
             optimizers[info["optimizer"]] = optimizer
     payload = {
         "stratagem": {
-            **{k: v for k, v in meta.items() if k not in ("layout", "engines", "trust")},
+            **{k: v for k, v in meta.items() if k not in ("layout", "engines", "loading")},
             "format_version": FORMAT_VERSION,
             "format": "full",
             "torch_version": str(torch.__version__),
@@ -274,19 +308,19 @@ def _consolidate_engine(tag_dir: Path, *, with_optimizer: bool) -> tuple[dict[st
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.utils import zero_to_fp32 as z
 
-    with _quiet():
+    with _quiet(), weights_only_loads():
         model_files = z.get_model_state_files(str(tag_dir))
         model_states = z.parse_model_states(model_files)
         optim_files = z.get_optim_files(str(tag_dir))
         stage, world_size, fp32_groups, paddings = z.parse_optim_states(optim_files, str(tag_dir))
         weights = _merge(z, stage, world_size, fp32_groups, model_states, paddings)
-    module_sd = torch.load(model_files[0], map_location="cpu", weights_only=False)["module"]
+    with weights_only_loads():
+        module_sd = torch.load(model_files[0], map_location="cpu")["module"]
     ordered = {name: weights[name].clone() for name in module_sd if name in weights}
     if not with_optimizer:
         return ordered, {}
-    optim = [
-        torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in optim_files
-    ]
+    with weights_only_loads():
+        optim = [torch.load(f, map_location="cpu")["optimizer_state_dict"] for f in optim_files]
     optimizer_state = _consolidate_optimizer(z, stage, world_size, optim, model_states, paddings, ordered)
     return ordered, optimizer_state
 
