@@ -18,9 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, python, table, time_command
 
-LIGHTNING = (
-    "from lightning.pytorch.strategies import StrategyRegistry; print(len(StrategyRegistry.available_strategies()))"
-)
+LIGHTNING = "from lightning.pytorch.strategies import StrategyRegistry; print(len(StrategyRegistry.available_strategies()))"
 
 
 def main() -> None:
@@ -29,14 +27,24 @@ def main() -> None:
     args = parser.parse_args()
 
     listing = json.loads(
-        subprocess.run([python(), "-m", "stratagem.cli", "strategies", "--json"], capture_output=True, text=True,
-                       check=True).stdout
+        subprocess.run(
+            [python(), "-m", "stratagem.cli", "strategies", "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     )
     names = [row["name"] for row in listing["strategies"]]
     probe = subprocess.run(
-        [python(), "-c", "import sys,io,contextlib\nfrom stratagem.cli import main\n"
-         "with contextlib.redirect_stdout(io.StringIO()): main(['strategies'])\nprint('torch' in sys.modules)"],
-        capture_output=True, text=True, check=True,
+        [
+            python(),
+            "-c",
+            "import sys,io,contextlib\nfrom stratagem.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): main(['strategies'])\nprint('torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
 
     commands = {

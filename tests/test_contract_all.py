@@ -44,4 +44,6 @@ def test_certified(name: str, tmp_path: Path) -> None:
         skipped = case.find("skipped")
         if skipped is not None:
             reason = skipped.get("message", "")
-            assert "declare" in reason, f"{case.get('name')} skipped for a reason no declaration gives: {reason}"
+            assert "declare" in reason, (
+                f"{case.get('name')} skipped for a reason no declaration gives: {reason}"
+            )

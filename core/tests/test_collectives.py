@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import core_workers  # noqa: E402
+import core_workers
 
-from stratagem import Engine  # noqa: E402
+from stratagem import Engine
 
 
 @pytest.mark.multiprocess

@@ -17,10 +17,25 @@ HOOKS = sorted(
 )
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "hooks.md"
 DESIGN_TABLE = {
-    "register_strategies", "setup_environment", "model_init_context", "model_sharded_context", "wrap_model",
-    "forward_context", "setup_optimizers", "backward", "optimizer_step", "clip_gradients", "no_sync",
-    "distributed_sampler_kwargs", "save_checkpoint", "load_checkpoint", "all_reduce", "all_gather", "broadcast",
-    "barrier", "teardown",
+    "register_strategies",
+    "setup_environment",
+    "model_init_context",
+    "model_sharded_context",
+    "wrap_model",
+    "forward_context",
+    "setup_optimizers",
+    "backward",
+    "optimizer_step",
+    "clip_gradients",
+    "no_sync",
+    "distributed_sampler_kwargs",
+    "save_checkpoint",
+    "load_checkpoint",
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    "teardown",
 }
 
 

@@ -84,12 +84,15 @@ def _plugin_consolidation(source: str) -> Any:
         cls = get_registry().get(strategy).resolve_factory()
     except Exception as error:
         raise CheckpointError(
-            source, f"is a {layout!r}-layout checkpoint of strategy {strategy!r}, which cannot be loaded here "
-            f"to consolidate it: {error}"
+            source,
+            f"is a {layout!r}-layout checkpoint of strategy {strategy!r}, which cannot be loaded here "
+            f"to consolidate it: {error}",
         ) from error
     function = getattr(cls, "consolidate", None)
     if not callable(function):
-        raise CheckpointError(source, f"uses layout {layout!r}, and strategy {strategy!r} offers no consolidate().")
+        raise CheckpointError(
+            source, f"uses layout {layout!r}, and strategy {strategy!r} offers no consolidate()."
+        )
     return function
 
 

@@ -1,8 +1,8 @@
 """Real 2-process gloo runs with the real deepspeed package: accumulation and clipping against a one-process
-reference, full save and load, DeepSpeed's sharded directory consolidated offline and loaded under ``ddp``.
+reference, full save and load, DeepSpeed's sharded directory consolidated offline and loaded under ``ddp`` and ``fsdp``.
 
 One launch per strategy batches every check (see ds_workers.py); the consolidated file is loaded in one more
-launch under ``ddp`` (or ``single_device`` in this process if stratagem-ddp is not installed).
+launch under each of ``ddp`` and ``fsdp``.
 """
 
 from __future__ import annotations
@@ -110,15 +110,14 @@ def test_sharded_directory_consolidates_offline(run: dict[str, Any]) -> None:
     assert payload["state"] == {"step": w.STEPS}
 
 
-def test_consolidated_checkpoint_loads_under_ddp(run: dict[str, Any]) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_consolidated_checkpoint_loads_under_other_strategies(run: dict[str, Any], strategy: str) -> None:
+    if importlib.util.find_spec(f"stratagem_{strategy}") is None:
+        pytest.skip(f"stratagem-{strategy} is not installed")
     output = _consolidate(run)
     payload = torch.load(output, map_location="cpu", weights_only=True)
-    if importlib.util.find_spec("stratagem_ddp") is None:
-        engine = sg.Engine(strategy="single_device", accelerator="cpu")
-        loaded = w.load_full(engine, str(output))
-    else:
-        engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2, timeout=120)
-        loaded = engine.launch(w.load_full, str(output))
+    engine = sg.Engine(strategy=strategy, accelerator="cpu", devices=2, timeout=120)
+    loaded = engine.launch(w.load_full, str(output))
     assert not _close(payload["model"]["model"], loaded["params"], None)
     for name, entry in payload["optimizers"]["optimizer"]["state"].items():
         assert not _close(entry, loaded["optim"]["state"][name], None), name
