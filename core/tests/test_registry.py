@@ -49,6 +49,20 @@ GOOD_IMPL = """
 """
 
 
+def install_alpha(make_distribution) -> None:
+    """The well-behaved test plugin: two strategies from one lazily imported module."""
+    make_distribution(
+        "alpha-strategies",
+        "1.2.3",
+        {"alpha": "alpha_strategies.plugin"},
+        {
+            "alpha_strategies.__init__": "",
+            "alpha_strategies.plugin": GOOD_PLUGIN,
+            "alpha_strategies.impl": GOOD_IMPL,
+        },
+    )
+
+
 def _env(*names: str) -> dict[str, str]:
     return {"STRATAGEM_PLUGINS": ",".join(names)}
 
@@ -62,16 +76,7 @@ def test_builtin_single_device_is_always_there():
 
 
 def test_installed_plugin_adds_strategies_and_factory_stays_lazy(make_distribution):
-    make_distribution(
-        "alpha-strategies",
-        "1.2.3",
-        {"alpha": "alpha_strategies.plugin"},
-        {
-            "alpha_strategies.__init__": "",
-            "alpha_strategies.plugin": GOOD_PLUGIN,
-            "alpha_strategies.impl": GOOD_IMPL,
-        },
-    )
+    install_alpha(make_distribution)
     registry, _ = discover(environ=_env("alpha"))
     assert registry.names() == ["alpha", "alpha_fast", "single_device"]
     info = registry.get("alpha_fast")
@@ -112,16 +117,7 @@ def test_broken_plugin_is_isolated_and_reported(make_distribution):
         {"broken": "broken_strategies"},
         {"broken_strategies": "import no_such_module_x\n"},
     )
-    make_distribution(
-        "alpha-strategies",
-        "1.2.3",
-        {"alpha": "alpha_strategies.plugin"},
-        {
-            "alpha_strategies.__init__": "",
-            "alpha_strategies.plugin": GOOD_PLUGIN,
-            "alpha_strategies.impl": GOOD_IMPL,
-        },
-    )
+    install_alpha(make_distribution)
     registry, _ = discover(environ=_env("broken", "alpha"))
     assert "alpha" in registry
     [broken] = registry.broken
@@ -186,16 +182,7 @@ def test_conflict_names_both_distributions(make_distribution):
 
 
 def test_allow_list_restricts_loading(make_distribution):
-    make_distribution(
-        "alpha-strategies",
-        "1.2.3",
-        {"alpha": "alpha_strategies.plugin"},
-        {
-            "alpha_strategies.__init__": "",
-            "alpha_strategies.plugin": GOOD_PLUGIN,
-            "alpha_strategies.impl": GOOD_IMPL,
-        },
-    )
+    install_alpha(make_distribution)
     make_distribution(
         "broken-strategies", "0.0.1", {"broken": "broken_strategies"}, {"broken_strategies": "1/0\n"}
     )
@@ -208,16 +195,7 @@ def test_allow_list_restricts_loading(make_distribution):
 
 
 def test_capability_refusal_names_strategy_capability_and_alternatives(make_distribution):
-    make_distribution(
-        "alpha-strategies",
-        "1.2.3",
-        {"alpha": "alpha_strategies.plugin"},
-        {
-            "alpha_strategies.__init__": "",
-            "alpha_strategies.plugin": GOOD_PLUGIN,
-            "alpha_strategies.impl": GOOD_IMPL,
-        },
-    )
+    install_alpha(make_distribution)
     registry, _ = discover(environ=_env("alpha"))
     with pytest.raises(CapabilityError) as caught:
         registry.check_request("alpha", accelerator="cpu", precision="bf16-mixed")
