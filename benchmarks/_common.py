@@ -66,3 +66,16 @@ def paired_step_times(loops: dict, data: Sequence, warmup: int = 3) -> dict[str,
         "stratagem": statistics.median(times["stratagem"]),
         "ratio": statistics.median(ratios),
     }
+
+
+def step_benchmark_arguments(doc: str, *, depth: int, steps: int):
+    """The options every step-time benchmark takes (model size, batch, timed steps, threads)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=depth)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per loop")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    return parser.parse_args()

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 import stratagem as sg
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import paired_step_times
+from _common import paired_step_times, step_benchmark_arguments
 
 
 def make_model(width: int, depth: int) -> torch.nn.Module:
@@ -74,15 +74,7 @@ def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=200, help="timed steps per loop")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    args = parser.parse_args()
+    args = step_benchmark_arguments(__doc__, depth=3, steps=200)
 
     engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2)
     result = engine.launch(run, args)

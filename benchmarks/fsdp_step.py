@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 import stratagem as sg
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import paired_step_times
+from _common import paired_step_times, step_benchmark_arguments
 
 
 class Block(torch.nn.Module):
@@ -85,15 +85,7 @@ def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=100, help="timed steps per loop")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    args = parser.parse_args()
+    args = step_benchmark_arguments(__doc__, depth=4, steps=100)
 
     result = sg.Engine(strategy="fsdp", accelerator="cpu", devices=2).launch(run, args)
     print(
