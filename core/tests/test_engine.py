@@ -65,21 +65,6 @@ def test_single_process_loop_save_and_load(tmp_path: Path) -> None:
     assert engine.all_reduce(2.0, "sum").item() == 2.0
 
 
-def _reference(accumulate: int, steps: int, batch: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(7)
-    module = wl.Regression()
-    module.configure_model()
-    optimizer = module.configure_optimizers()
-    batches = iter(DataLoader(wl.dataset(), batch_size=batch))
-    for _ in range(steps):
-        for _ in range(accumulate):
-            x, y = next(batches)
-            (torch.nn.functional.mse_loss(module(x), y) / accumulate).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {k: v.detach() for k, v in module.state_dict().items()}
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_launch_runs_the_function_in_every_process() -> None:
@@ -92,7 +77,7 @@ def test_launch_runs_the_function_in_every_process() -> None:
     assert out["sampler"] == "DistributedSampler"
     assert out["indices"] == list(range(0, 96, 2))  # rank 0's half, in order (no shuffle asked)
     for accumulate in (1, 2):
-        expected = _reference(accumulate, steps=5, batch=8)
+        expected = wl.reference_loop(accumulate, batch=8, steps=5)
         for name, value in out["runs"][accumulate].items():
             torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=f"{accumulate}: {name}")
     # 5 steps without accumulation + 5 steps of 2 batches: gradients synchronised once per step.

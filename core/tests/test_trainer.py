@@ -94,32 +94,12 @@ def test_devices_from_pytest_is_refused_with_advice(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
-def _reference_loop(
-    accumulate: int, batch: int, steps: int, clip: float | None = None
-) -> dict[str, torch.Tensor]:
-    """The same training written out by hand in plain PyTorch."""
-    torch.manual_seed(7)
-    module = wl.Regression()
-    module.configure_model()
-    optimizer = module.configure_optimizers()
-    batches = iter(DataLoader(wl.dataset(), batch_size=batch))
-    for _ in range(steps):
-        for _ in range(accumulate):
-            x, y = next(batches)
-            (torch.nn.functional.mse_loss(module(x), y) / accumulate).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    return _params(module)
-
-
 @pytest.mark.parametrize("accumulate, clip", [(1, None), (3, None), (1, 0.05)])
 def test_fit_matches_a_plain_pytorch_loop(tmp_path: Path, accumulate: int, clip: float | None) -> None:
     module = wl.Regression()
     trainer = _trainer(tmp_path, max_steps=5, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
     trainer.fit(module, _loader(batch=4))
-    expected = _reference_loop(accumulate, 4, 5, clip)
+    expected = wl.reference_loop(accumulate, 4, 5, clip)
     for name, value in _params(module).items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
     assert trainer.global_step == 5

@@ -123,6 +123,26 @@ class Regression(sg.Module):
         self.extra_counter = extras["extra_counter"]
 
 
+def reference_loop(
+    accumulate: int, batch: int, steps: int, clip: float | None = None
+) -> dict[str, torch.Tensor]:
+    """The training of the tests written out by hand in plain PyTorch, in one process on the global batch."""
+    torch.manual_seed(7)
+    module = Regression()
+    module.configure_model()
+    optimizer = module.configure_optimizers()
+    batches = iter(DataLoader(dataset(), batch_size=batch))
+    for _ in range(steps):
+        for _ in range(accumulate):
+            x, y = next(batches)
+            (torch.nn.functional.mse_loss(module(x), y) / accumulate).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
 def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
     """What the tests compare, gathered to plain tensors."""
     assert trainer.model is not None
