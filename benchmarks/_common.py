@@ -79,3 +79,20 @@ def step_benchmark_arguments(doc: str, *, depth: int, steps: int):
     parser.add_argument("--steps", type=int, default=steps, help="timed steps per loop")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     return parser.parse_args()
+
+
+class EngineLoop:
+    """A training step through ``stratagem.Engine``: the side the step-time benchmarks compare with raw torch."""
+
+    def __init__(self, engine, model, optimizer) -> None:
+        self.engine = engine
+        self.model, self.opt = engine.setup(model, optimizer)
+
+    def step(self, x, y) -> None:
+        import torch.nn.functional as F
+
+        with self.engine.forward_context():
+            loss = F.mse_loss(self.model(x), y)
+        self.engine.backward(loss, self.model)
+        self.opt.step()
+        self.opt.zero_grad()

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 import stratagem as sg
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import paired_step_times, step_benchmark_arguments
+from _common import EngineLoop, paired_step_times, step_benchmark_arguments
 
 
 def make_model(width: int, depth: int) -> torch.nn.Module:
@@ -49,26 +49,13 @@ class RawLoop:
         self.opt.zero_grad(set_to_none=True)
 
 
-class StratagemLoop:
-    def __init__(self, engine: sg.Engine, width: int, depth: int) -> None:
-        self.engine = engine
-        model = make_model(width, depth)
-        self.model, self.opt = engine.setup(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        with self.engine.forward_context():
-            loss = F.mse_loss(self.model(x), y)
-        self.engine.backward(loss, self.model)
-        self.opt.step()
-        self.opt.zero_grad()
-
-
 def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     data = batches(args.steps, args.batch, args.width, engine.rank)
+    model = make_model(args.width, args.depth)
     loops = {
         "raw": RawLoop(args.width, args.depth),
-        "stratagem": StratagemLoop(engine, args.width, args.depth),
+        "stratagem": EngineLoop(engine, model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)),
     }
     return paired_step_times(loops, data)
 

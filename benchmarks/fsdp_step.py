@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 import stratagem as sg
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import paired_step_times, step_benchmark_arguments
+from _common import EngineLoop, paired_step_times, step_benchmark_arguments
 
 
 class Block(torch.nn.Module):
@@ -57,20 +57,12 @@ class RawLoop:
         self.opt.zero_grad(set_to_none=True)
 
 
-class StratagemLoop:
-    def __init__(self, width: int, depth: int) -> None:
-        from stratagem_fsdp import FSDPStrategy
+def _stratagem_loop(width: int, depth: int) -> EngineLoop:
+    from stratagem_fsdp import FSDPStrategy
 
-        self.engine = sg.Engine(strategy=FSDPStrategy(auto_wrap_policy={Block}), accelerator="cpu", devices=2)
-        model = make_model(width, depth)
-        self.model, self.opt = self.engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        with self.engine.forward_context():
-            loss = F.mse_loss(self.model(x), y)
-        self.engine.backward(loss, self.model)
-        self.opt.step()
-        self.opt.zero_grad()
+    engine = sg.Engine(strategy=FSDPStrategy(auto_wrap_policy={Block}), accelerator="cpu", devices=2)
+    model = make_model(width, depth)
+    return EngineLoop(engine, model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
 
 def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
@@ -80,7 +72,7 @@ def run(engine: sg.Engine, args: argparse.Namespace) -> dict[str, Any]:
         (torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 16, generator=g))
         for _ in range(args.steps)
     ]
-    loops = {"raw": RawLoop(args.width, args.depth), "stratagem": StratagemLoop(args.width, args.depth)}
+    loops = {"raw": RawLoop(args.width, args.depth), "stratagem": _stratagem_loop(args.width, args.depth)}
     return paired_step_times(loops, data)
 
 
