@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import stratagem as sg
+from stratagem import hookimpl
 from stratagem.engine import STRATEGY_ENV
 from stratagem.errors import ConfigurationError, UnknownStrategyError
 
@@ -82,3 +83,78 @@ def test_launch_runs_the_function_in_every_process() -> None:
             torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=f"{accumulate}: {name}")
     # 5 steps without accumulation + 5 steps of 2 batches: gradients synchronised once per step.
     assert (out["synced"], out["skipped"]) == (10, 5)
+
+
+class OwnOptimizer:
+    """What a strategy may return from ``setup_optimizers``: its own object around the user's optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+class WrapsItsOptimizer(sg.SingleDeviceStrategy):
+    """Customises checkpoints through the hooks alone, and needs its own optimizer object there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.returned: list[object] = []
+        self.seen: dict[str, list[object]] = {"save": [], "load": [], "step": [], "clip": []}
+
+    @hookimpl
+    def setup_optimizers(self, model, optimizers):
+        self.returned = [OwnOptimizer(opt) for opt in optimizers]
+        return self.returned
+
+    @hookimpl
+    def optimizer_step(self, optimizer, model) -> None:
+        self.seen["step"].append(optimizer)
+        optimizer.step()
+
+    @hookimpl
+    def clip_gradients(self, model, optimizer, max_norm):
+        self.seen["clip"].append(optimizer)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    @hookimpl
+    def save_checkpoint(self, path, state, format) -> None:
+        self.seen["save"].append(state["optimizer"])
+        torch.save({"model": state["model"].state_dict(), "optimizer": state["optimizer"].state_dict()}, path)
+
+    @hookimpl
+    def load_checkpoint(self, path, state, strict):
+        self.seen["load"].append(state["optimizer"])
+        saved = torch.load(path, weights_only=True)
+        state["model"].load_state_dict(saved["model"])
+        state["optimizer"].load_state_dict(saved["optimizer"])
+        return {}
+
+
+def test_hooks_receive_the_optimizer_the_strategy_returned(tmp_path: Path) -> None:
+    strategy = WrapsItsOptimizer()
+    engine = sg.Engine(strategy=strategy, accelerator="cpu")
+    module = wl.Regression()
+    module.configure_model()
+    model, optimizer = engine.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    x, y = wl.dataset()[:8]
+    engine.backward(torch.nn.functional.mse_loss(model(x), y))
+    engine.clip_gradients(model, optimizer, 1.0)
+    optimizer.step()
+    engine.save(tmp_path / "own.ckpt", {"model": model, "optimizer": optimizer})
+    engine.load(tmp_path / "own.ckpt", {"model": model, "optimizer": optimizer})
+    (own,) = strategy.returned
+    for hook, received in strategy.seen.items():
+        assert received == [own], f"{hook} received {received!r}, not the strategy's own {own!r}"

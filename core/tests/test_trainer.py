@@ -7,12 +7,14 @@ import csv
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 import stratagem as sg
+from stratagem import hookimpl
 from stratagem.errors import CapabilityError, CheckpointError, ConfigurationError
 
 WORKLOADS = Path(__file__).parent / "workloads"
@@ -250,3 +252,61 @@ def test_init_module_with_empty_init_builds_on_meta_and_trains(tmp_path: Path) -
     # The optimizer built over the meta parameters was pointed at the materialised ones, and stepped them.
     assert trainer.optimizers[0].param_groups[0]["params"][0] is params[0]
     assert len(module.losses) == 3 and module.losses[0] != module.losses[-1]
+
+
+# -------------------------------------------------------------------------------------------------
+# a strategy that wraps in place: every step runs inside the model's own call
+# -------------------------------------------------------------------------------------------------
+
+
+class InPlaceHooks(sg.SingleDeviceStrategy):
+    """Wraps like FSDP2 does: hooks on the user's module itself, which must run around every step (they
+    gather the root's parameters there). Records whether each step ran between the pre- and post-hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = False
+        self.calls: list[tuple[str, bool]] = []
+
+    @hookimpl
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        def enter(module: torch.nn.Module, args: Any) -> None:
+            self.inside = True
+
+        def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self.inside = False
+
+        model.register_forward_pre_hook(enter)
+        model.register_forward_hook(leave)
+        return model
+
+
+class CallsSubmodules(wl.Regression):
+    """Like most real models: the step calls the layers directly, never ``self(x)``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trainer.strategy.calls.append(("training_step", self.trainer.strategy.inside))
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.trainer.strategy.calls.append(("validation_step", self.trainer.strategy.inside))
+
+
+def test_steps_run_inside_the_call_of_a_model_wrapped_in_place(tmp_path: Path) -> None:
+    strategy = InPlaceHooks()
+    trainer = sg.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_steps=3,
+        val_check_interval=2,
+        limit_val_batches=2,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+    )
+    trainer.fit(CallsSubmodules(), _loader(), val_dataloaders=_loader())
+    assert trainer.model is trainer.module  # wrapped in place
+    steps = [inside for name, inside in strategy.calls if name == "training_step"]
+    validations = [inside for name, inside in strategy.calls if name == "validation_step"]
+    assert steps == [True, True, True]
+    assert validations == [True, True]

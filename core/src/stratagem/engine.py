@@ -53,6 +53,16 @@ class StrategyOptimizer:
         return f"StrategyOptimizer({self.optimizer!r})"
 
 
+def _unwrap(optimizer: Any) -> Any:
+    return optimizer.optimizer if isinstance(optimizer, StrategyOptimizer) else optimizer
+
+
+def _strategy_objects(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as the strategy knows it: the optimizers its ``setup_optimizers`` returned, not the Engine's
+    wrappers around them. Hooks never see an Engine class."""
+    return {key: _unwrap(value) for key, value in state.items()}
+
+
 _WRAPPER_NAMES = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
 
@@ -390,12 +400,7 @@ class Engine:
         self._hooks.backward(loss, self._model_for(model))
 
     def clip_gradients(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
-        inner = (
-            getattr(optimizer, "optimizer", optimizer)
-            if isinstance(optimizer, StrategyOptimizer)
-            else optimizer
-        )
-        return self._hooks.clip_gradients(model, inner, float(max_norm))
+        return self._hooks.clip_gradients(model, _unwrap(optimizer), float(max_norm))
 
     def no_sync(self, model: torch.nn.Module | None = None, enabled: bool = True) -> ContextManager[None]:
         """Skip gradient synchronisation inside the block (accumulation steps) when ``enabled``."""
@@ -412,7 +417,7 @@ class Engine:
         if caps is not None and fmt not in caps.checkpoint_formats:
             alternatives = [i.name for i in get_registry() if fmt in i.capabilities.checkpoint_formats]
             raise CapabilityError(self.strategy.name, "checkpoint format", fmt, alternatives)
-        self._hooks.save_checkpoint(os.fspath(path), dict(state), fmt)
+        self._hooks.save_checkpoint(os.fspath(path), _strategy_objects(state), fmt)
 
     def load(
         self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool = True
@@ -422,7 +427,7 @@ class Engine:
         target = Path(path)
         if not target.exists() and not target.with_name(target.name + ".stratagem-old").exists():
             raise CheckpointError(target, "does not exist. Pass the path of a checkpoint file or directory.")
-        return self._hooks.load_checkpoint(os.fspath(path), dict(state), strict)
+        return self._hooks.load_checkpoint(os.fspath(path), _strategy_objects(state), strict)
 
     # collectives -----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:

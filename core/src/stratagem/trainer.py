@@ -650,10 +650,11 @@ class Trainer:
                 scheduler.scheduler.step()
 
     def _call(self, method: str, *args: Any) -> Any:
+        # Always through the wrapped model's __call__, also when the strategy wrapped in place (FSDP2, tensor
+        # parallel): their forward hooks gather the root's parameters, and calling the step on the module
+        # directly would skip them.
         model, module = self.model, self.module
         assert model is not None and module is not None
-        if model is module:
-            return getattr(module, method)(*args)
         with _redirected_forward(module, method):
             return model(*args)
 

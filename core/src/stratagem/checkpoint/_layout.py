@@ -59,18 +59,12 @@ def classify(state: dict[str, Any]) -> Parts:
         if isinstance(value, torch.nn.Module):
             parts.modules[key] = value
         elif _is_optimizer(value):
-            parts.optimizers[key] = getattr(value, "optimizer", value) if _is_wrapper(value) else value
+            parts.optimizers[key] = value
         elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
             parts.stateful[key] = value
         else:
             parts.plain[key] = value
     return parts
-
-
-def _is_wrapper(obj: Any) -> bool:
-    from stratagem.engine import StrategyOptimizer
-
-    return isinstance(obj, StrategyOptimizer)
 
 
 def owner_of(optimizer: Any, modules: dict[str, torch.nn.Module]) -> torch.nn.Module:
