@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -158,3 +160,34 @@ def test_hooks_receive_the_optimizer_the_strategy_returned(tmp_path: Path) -> No
     (own,) = strategy.returned
     for hook, received in strategy.seen.items():
         assert received == [own], f"{hook} received {received!r}, not the strategy's own {own!r}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_launch_takes_lambdas_and_closures_from_a_script(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    script = WORKLOADS / "launch_callables.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=170
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["writer_is_launcher"]
+    assert got["rank"] == 0 and got["world_size"] == 2 and got["sum"] == 3.0
+    assert got["indices"] == list(range(0, 96, 2))
+    for accumulate in (1, 2):
+        expected = wl.reference_loop(accumulate, batch=8, steps=5)
+        for name, value in got["runs"][str(accumulate)].items():
+            torch.testing.assert_close(torch.tensor(value), expected[name], rtol=0, atol=1e-5, msg=name)
+    assert got["second"] == {"rank": 0, "sum": 23.0}  # (0 + 1 + 10) + (1 + 1 + 10), from the second launch
+
+
+def test_launch_of_an_unpicklable_function_without_a_script_fails_before_starting(monkeypatch) -> None:
+    # Under pytest there is no script the workers could re-run; from a REPL or a notebook neither.
+    engine = sg.Engine(strategy=wl.GradAverage(), accelerator="cpu", devices=2)
+    with pytest.raises(ConfigurationError, match="cannot be sent to worker processes") as caught:
+        engine.launch(lambda e: e.rank)
+    assert "python script.py" in str(caught.value) and "pytest" in str(caught.value)
+    monkeypatch.setattr(sys, "argv", [""])
+    with pytest.raises(ConfigurationError, match="none is running"):
+        engine.launch(lambda e: e.rank)

@@ -11,8 +11,8 @@ from typing import Any, ContextManager
 
 import torch
 
+from stratagem import _rerun, launcher
 from stratagem import cluster as cluster_mod
-from stratagem import launcher
 from stratagem._manager import StrategyHooks, get_registry, installed_plugins
 from stratagem.errors import CapabilityError, CheckpointError, ConfigurationError
 from stratagem.precision import normalize
@@ -246,10 +246,14 @@ class Engine:
     def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
         """Run ``fn(engine, *args)`` in every process and return rank 0's result.
 
-        With nothing launched yet and ``devices > 1``, starts the workers with torch's elastic agent (``fn``
-        and ``args`` must be picklable). Under torchrun, SLURM or ``stratagem run`` the processes exist
-        already and ``fn`` runs here. Without ``fn``, the script itself is re-run in the workers and this
-        process exits when they are done.
+        With nothing launched yet and ``devices > 1``, starts the workers with torch's elastic agent. A
+        function that pickles (defined at module level) is sent to them with its arguments. Any other callable
+        (a lambda, a closure, a ``functools.partial`` of a local) works from a script: the workers run the
+        script again and call ``fn`` when they reach this ``launch``, so the script must reach its ``launch``
+        calls in the same order on every run. Either way the workers end after ``fn``, and this process
+        continues with rank 0's result. Under torchrun, SLURM or ``stratagem run`` the processes exist already
+        and ``fn`` runs here. Without ``fn``, the script itself is re-run in the workers and this process exits
+        with their status when they are done.
         """
         if self.needs_launch:
             if self.num_nodes > 1:
@@ -259,15 +263,57 @@ class Engine:
                 )
             if fn is None:
                 launcher.supervise_script(self.devices, self.accelerator)
-            results = launcher.launch_function(
+            return self._launch_function(fn, args)
+        target = _rerun.target_call()
+        if fn is not None and target is not None:
+            return self._run_relaunched_call(target, fn, args)
+        self.setup_environment()
+        return None if fn is None else fn(self, *args)
+
+    def _launch_function(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        call = _rerun.next_call()
+        problem = _rerun.why_not_spawnable(fn, (self._config, args))
+        if problem is None:
+            result = launcher.launch_function(
                 _worker_main,
                 (self._config, fn, args),
                 nproc_per_node=self.devices,
                 accelerator=self.accelerator,
+            ).get(0)
+        else:
+            started = _rerun.how_started()
+            if started != "script":
+                where = "pytest would re-run the test session" if started == "pytest" else "none is running"
+                raise ConfigurationError(
+                    f"Engine.launch({getattr(fn, '__qualname__', fn)!r}): the function cannot be sent to worker "
+                    f"processes ({problem}), and there is no script for them to re-run ({where}). Define the "
+                    "function at module level of an importable module and pass its arguments to launch(), or run "
+                    "this code as a script (python script.py)."
+                )
+            result = _rerun.run_script_for(
+                call,
+                lambda env: launcher.launch_script(
+                    launcher.current_command(),
+                    nproc_per_node=self.devices,
+                    accelerator=self.accelerator,
+                    env=env,
+                ),
             )
-            return results.get(0)
+        _rerun.record(result)
+        return result
+
+    def _run_relaunched_call(self, target: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """In a worker that re-runs the script for launch call ``target``: pass earlier calls, run this one."""
+        call = _rerun.next_call()
+        if call < target:
+            return _rerun.replayed_result(call)
         self.setup_environment()
-        return None if fn is None else fn(self, *args)
+        result = fn(self, *args)
+        if self.rank == 0:
+            _rerun.send_result(result, call)
+        self.teardown()
+        # The rest of the script is the launching process's to run.
+        raise SystemExit(0)
 
     def setup_environment(self) -> None:
         """Join the process group and select the device (done on first use otherwise)."""

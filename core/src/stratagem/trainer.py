@@ -9,7 +9,6 @@ import math
 import os
 import re
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem import launcher
+from stratagem import _rerun, launcher
 from stratagem._logging import CsvLog, MetricStore
 from stratagem._progress import ProgressBar, format_metrics
 from stratagem.checkpoint import PerRank
@@ -396,16 +395,14 @@ class Trainer:
         _parse_optimizers(result, type(model).__name__)
 
     def _launch(self) -> None:
-        argv0 = sys.argv[0] if sys.argv else ""
-        main = sys.modules.get("__main__")
-        rerunnable = argv0 == "-c" or hasattr(main, "__file__") or getattr(main, "__spec__", None) is not None
-        if not argv0 or not rerunnable or "ipykernel" in sys.modules:
+        started = _rerun.how_started()
+        if started == "interactive":
             raise ConfigurationError(
                 f"devices={self.engine.devices} from an interactive session: the workers re-run the script, "
                 "and there is none. Run it as `python script.py`, or start it with torchrun or "
                 "`stratagem run --devices N script.py`; for a function, use Engine.launch(fn)."
             )
-        if Path(argv0).name in ("pytest", "py.test") or argv0.endswith(os.path.join("pytest", "__main__.py")):
+        if started == "pytest":
             raise ConfigurationError(
                 f"devices={self.engine.devices} inside pytest would re-run pytest in every worker. Run the "
                 "training in a script (python script.py) from the test, or use Engine.launch(fn)."
