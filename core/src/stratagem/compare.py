@@ -192,15 +192,14 @@ def load_model_factory(spec: str) -> Callable[[], Any]:
 def _training_loss(wrapped: Any, module: Any, batch: Any, batch_idx: int) -> Any:
     """The loss through the wrapper's forward (where DDP and FSDP do their work)."""
     from stratagem.module import Module
-    from stratagem.trainer import _redirected_forward
+    from stratagem._model_calls import redirected_forward
 
     has_step = isinstance(module, Module) and type(module).overrides("training_step")
     if not has_step:
         items = batch if isinstance(batch, (tuple, list)) else (batch,)
         return wrapped(*items)
-    if wrapped is module:
-        return module.training_step(batch, batch_idx)
-    with _redirected_forward(module, "training_step"):
+    # Through the wrapper's call also when it wrapped in place (FSDP2): its hooks gather the root's parameters.
+    with redirected_forward(module, "training_step"):
         return wrapped(batch, batch_idx)
 
 

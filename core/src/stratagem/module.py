@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from stratagem.trainer import Trainer
+
+class Attached(Protocol):
+    """What a Module is attached to while it trains (the Trainer): where its metrics go.
+
+    The Module layer sits below the Trainer and never imports it; the Trainer attaches itself.
+    """
+
+    def _log_metric(self, name: str, value: Any, *, prog_bar: bool, reduce: str) -> None: ...
 
 
 class Module(torch.nn.Module):
@@ -49,7 +55,8 @@ class Module(torch.nn.Module):
         """Restore what :meth:`on_save_checkpoint` stored."""
 
     @property
-    def trainer(self) -> Trainer | None:
+    def trainer(self) -> Any:
+        """The Trainer fitting this module (its ``engine``, ``global_step``, ...), or ``None`` outside ``fit``."""
         return self.__dict__.get("_stratagem_trainer")
 
     def log(self, name: str, value: Any, *, prog_bar: bool = True, reduce: str = "mean") -> None:
@@ -58,7 +65,7 @@ class Module(torch.nn.Module):
 
         Log the same names on every rank: the reduction is one collective over all of them.
         """
-        trainer = self.trainer
+        trainer: Attached | None = self.trainer
         if trainer is None:
             return
         trainer._log_metric(name, value, prog_bar=prog_bar, reduce=reduce)

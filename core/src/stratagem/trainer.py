@@ -7,139 +7,26 @@ import atexit
 import contextlib
 import math
 import os
-import re
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 
 from stratagem import _rerun, launcher
 from stratagem._logging import CsvLog, MetricStore
+from stratagem._model_calls import loss_of, redirected_forward, to_device
+from stratagem._optimizers import Scheduler, parse_optimizers
+from stratagem._options import TrainerOptions
 from stratagem._progress import ProgressBar, format_metrics
+from stratagem._resume import Position, start_epoch
+from stratagem._run_dir import CHECKPOINT_DIR, checkpoint_name, find_last_checkpoint, prune, publish_last
 from stratagem.checkpoint import PerRank
-from stratagem.data import loader_generators, set_epoch, skip_batches
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
 from stratagem.errors import CheckpointError, ConfigurationError
 from stratagem.module import Module
 from stratagem.seed import capture_rng, restore_rng
 
-CHECKPOINT_DIR = "checkpoints"
-LAST_POINTER = "last"
-_CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.ckpt)?$")
-
-
-def _optional_positive(kind: type) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-            raise ConfigurationError(
-                f"Trainer({attribute.name}={value!r}): give a positive {kind.__name__} or None."
-            )
-
-    return check
-
-
-def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(f"Trainer({attribute.name}={value!r}): give a positive integer.")
-
-
-def _clip_value(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-@attrs.frozen(kw_only=True)
-class TrainerOptions:
-    """The loop's options, checked when the Trainer is made (before anything launches)."""
-
-    max_steps: int | None = attrs.field(default=None, validator=_optional_positive(int))
-    max_epochs: int | None = attrs.field(default=None, validator=_optional_positive(int))
-    accumulate_grad_batches: int = attrs.field(default=1, validator=_positive_int)
-    gradient_clip_val: float | None = attrs.field(
-        default=None, converter=_clip_value, validator=_optional_positive(float)
-    )
-    val_check_interval: int | None = attrs.field(default=None, validator=_optional_positive(int))
-    limit_val_batches: int | None = attrs.field(default=None, validator=_optional_positive(int))
-    checkpoint_every_n_steps: int | None = attrs.field(default=None, validator=_optional_positive(int))
-    keep_last_k: int | None = attrs.field(default=None, validator=_optional_positive(int))
-    checkpoint_format: str | None = attrs.field(default=None)
-    default_root_dir: Path = attrs.field(default=Path("runs"), converter=Path)
-    seed: int | None = attrs.field(default=None)
-    log_every_n_steps: int = attrs.field(default=10, validator=_positive_int)
-    enable_progress_bar: bool = True
-    use_distributed_sampler: bool = True
-
-    @checkpoint_format.validator
-    def _check_format(self, attribute: attrs.Attribute, value: Any) -> None:
-        if value not in (None, "full", "sharded"):
-            raise ConfigurationError(f"Trainer(checkpoint_format={value!r}): use 'full', 'sharded' or None.")
-
-    @seed.validator
-    def _check_seed(self, attribute: attrs.Attribute, value: Any) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ConfigurationError(f"Trainer(seed={value!r}): give an integer or None.")
-
-
-@attrs.define
-class _Scheduler:
-    scheduler: Any
-    interval: str = "step"
-    frequency: int = 1
-
-
-@attrs.define
-class _Position:
-    """Where training is: optimizer steps taken, epoch, and batches of this epoch consumed."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-
-    def to_dict(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        moved = [_to_device(item, device) for item in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    if isinstance(batch, dict):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    return batch
-
-
-@contextlib.contextmanager
-def _redirected_forward(module: torch.nn.Module, method: str) -> Iterator[None]:
-    """Make ``wrapper(*args)`` run ``module.<method>(*args)`` inside the wrapper's forward.
-
-    A wrapper (DDP, a sharding wrapper) does its work around its own forward; calling ``training_step`` on the
-    inner module directly would skip it. The original forward is put back as soon as the step starts, so the
-    step's own ``self(x)`` calls reach the real forward.
-    """
-    had_instance_forward = "forward" in module.__dict__
-    original = module.__dict__.get("forward")
-
-    def restore() -> None:
-        if had_instance_forward:
-            module.forward = original  # type: ignore[method-assign]
-        else:
-            module.__dict__.pop("forward", None)
-
-    def step_as_forward(*args: Any, **kwargs: Any) -> Any:
-        restore()
-        return getattr(module, method)(*args, **kwargs)
-
-    module.forward = step_as_forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        restore()
+__all__ = ["Trainer", "TrainerOptions"]
 
 
 class Trainer:
@@ -224,13 +111,13 @@ class Trainer:
                     f"Trainer(checkpoint_format={checkpoint_format!r}): strategy {self.engine.strategy.name!r} "
                     f"writes {sorted(caps.checkpoint_formats)}."
                 )
-        self.position = _Position()
+        self.position = Position()
         #: The latest reduced metrics (training and validation).
         self.logged_metrics: dict[str, float] = {}
         self.module: Module | None = None
         self.model: torch.nn.Module | None = None
         self.optimizers: list[Any] = []
-        self.lr_schedulers: list[_Scheduler] = []
+        self.lr_schedulers: list[Scheduler] = []
         self._train_metrics = MetricStore()
         self._val_metrics = MetricStore()
         self._in_validation = False
@@ -392,7 +279,7 @@ class Trainer:
             result = model.configure_optimizers()
         except Exception:
             return  # something only the workers can do; they check it for real
-        _parse_optimizers(result, type(model).__name__)
+        parse_optimizers(result, type(model).__name__)
 
     def _launch(self) -> None:
         started = _rerun.how_started()
@@ -430,13 +317,13 @@ class Trainer:
             engine.seed_everything(self.options.seed)
         if with_optimizers and not self.optimizers:
             if first:
-                optimizers, self.lr_schedulers = _parse_optimizers(
+                optimizers, self.lr_schedulers = parse_optimizers(
                     model.configure_optimizers(), type(model).__name__
                 )
                 self.model, *self.optimizers = engine.setup(model, *optimizers)
             else:
                 # Set up by validate() before: optimizers over the wrapped model's parameters.
-                optimizers, self.lr_schedulers = _parse_optimizers(
+                optimizers, self.lr_schedulers = parse_optimizers(
                     model.configure_optimizers(), type(model).__name__
                 )
                 self.optimizers = engine.setup_optimizers(self.model, *optimizers)
@@ -483,7 +370,7 @@ class Trainer:
                 "holds no training position (it was not written by Trainer.save_checkpoint); load it "
                 "with Engine.load, or start fit() without ckpt_path.",
             )
-        self.position = _Position(**{k: int(v) for k, v in progress.items()})
+        self.position = Position(**{k: int(v) for k, v in progress.items()})
         self._resume = {"rng": rest.get("rng"), "epoch_rng": rest.get("epoch_rng")}
         assert self.module is not None
         self.module.on_load_checkpoint(dict(rest.get("extras") or {}))
@@ -491,16 +378,12 @@ class Trainer:
         self.print(f"Resumed from {path} at step {self.position.step} (epoch {self.position.epoch}).")
 
     def _save_periodic(self) -> None:
-        name = f"step-{self.position.step:06d}" + (".ckpt" if self.checkpoint_format == "full" else "")
-        target = self.checkpoint_dir / name
-        self.save_checkpoint(target)
+        name = checkpoint_name(self.position.step, self.checkpoint_format)
+        self.save_checkpoint(self.checkpoint_dir / name)
         if self.engine.is_global_zero:
-            from stratagem.checkpoint._atomic import atomic_file
-
-            with atomic_file(self.checkpoint_dir / LAST_POINTER) as tmp:
-                tmp.write_text(name + "\n")
+            publish_last(self.checkpoint_dir, name)
             if self.options.keep_last_k is not None:
-                _prune(self.checkpoint_dir, keep=self.options.keep_last_k, protect=name)
+                prune(self.checkpoint_dir, keep=self.options.keep_last_k, protect=name)
 
     # the loop --------------------------------------------------------------------------------------
     def _fit_loop(self, loader: Any, val_loader: Any, *, resumed: bool) -> None:
@@ -550,44 +433,9 @@ class Trainer:
             self._end_epoch(val_loader)
 
     def _start_epoch(self, loader: Any) -> Any:
-        position = self.position
         resume, self._resume = self._resume, None
-        if resume is not None and position.batch_in_epoch > 0:
-            # Re-create this epoch's order exactly: the RNG as the epoch began, the same iterator, skip what
-            # was consumed; then the RNG as it was when the checkpoint was written.
-            epoch_rng = resume.get("epoch_rng")
-            if epoch_rng is None:
-                raise CheckpointError(
-                    "(resume)", "stopped inside an epoch but holds no epoch-start RNG state to replay it."
-                )
-            self._restore_epoch_rng(loader, epoch_rng)
-            self._epoch_rng = epoch_rng
-            set_epoch(loader, position.epoch)
-            iterator = iter(loader)
-            skip_batches(iterator, position.batch_in_epoch)
-            restore_rng(resume["rng"])
-            return iterator
-        if resume is not None and resume.get("rng") is not None:
-            restore_rng(resume["rng"])
-        position.batch_in_epoch = 0
-        self._epoch_rng = {
-            "rng": capture_rng(),
-            "generators": [g.get_state() for g in loader_generators(loader)],
-        }
-        set_epoch(loader, position.epoch)
-        return iter(loader)
-
-    @staticmethod
-    def _restore_epoch_rng(loader: Any, epoch_rng: dict[str, Any]) -> None:
-        restore_rng(epoch_rng["rng"])
-        generators = loader_generators(loader)
-        saved = epoch_rng.get("generators") or []
-        if len(saved) != len(generators):
-            raise CheckpointError(
-                "(resume)", "the train loader's random generators differ from those of the run being resumed."
-            )
-        for generator, state in zip(generators, saved):
-            generator.set_state(state)
+        iterator, self._epoch_rng = start_epoch(loader, self.position, resume)
+        return iterator
 
     def _end_epoch(self, val_loader: Any) -> None:
         for scheduler in self.lr_schedulers:
@@ -605,11 +453,11 @@ class Trainer:
         batch_idx = position.batch_in_epoch
         boundary = last_of_epoch or (batch_idx + 1) % opts.accumulate_grad_batches == 0
         if engine.device.type != "cpu":
-            batch = _to_device(batch, engine.device)
+            batch = to_device(batch, engine.device)
         with engine.no_sync(self.model, enabled=not boundary):
             with engine.forward_context():
                 output = self._call("training_step", batch, batch_idx)
-            loss = _loss_of(output)
+            loss = loss_of(output)
             engine.backward(
                 loss / opts.accumulate_grad_batches if opts.accumulate_grad_batches > 1 else loss, self.model
             )
@@ -652,7 +500,7 @@ class Trainer:
         # directly would skip them.
         model, module = self.model, self.module
         assert model is not None and module is not None
-        with _redirected_forward(module, method):
+        with redirected_forward(module, method):
             return model(*args)
 
     # metrics ---------------------------------------------------------------------------------------
@@ -683,7 +531,7 @@ class Trainer:
                     if limit is not None and batch_idx >= limit:
                         break
                     if self.engine.device.type != "cpu":
-                        batch = _to_device(batch, self.engine.device)
+                        batch = to_device(batch, self.engine.device)
                     with self.engine.forward_context():
                         self._call("validation_step", batch, batch_idx)
             values = self._val_metrics.reduce(self.engine)
@@ -705,108 +553,11 @@ class Trainer:
 # -------------------------------------------------------------------------------------------------
 
 
-def _parse_optimizers(result: Any, model_name: str) -> tuple[list[Any], list[_Scheduler]]:
-    """``configure_optimizers``' result as (optimizers, schedulers), or a clear error."""
-    hint = (
-        f"{model_name}.configure_optimizers() must return an optimizer, a list of optimizers, or "
-        "{'optimizer': opt, 'lr_scheduler': scheduler}"
-    )
-    schedulers: list[_Scheduler] = []
-    if isinstance(result, dict):
-        if "optimizer" not in result:
-            raise ConfigurationError(f"{hint}; the dict has no 'optimizer' key.")
-        optimizers = result["optimizer"]
-        optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-        sched = result.get("lr_scheduler")
-        if sched is not None:
-            schedulers.append(_parse_scheduler(sched, hint))
-    elif isinstance(result, (list, tuple)):
-        optimizers = list(result)
-    else:
-        optimizers = [result]
-    if not optimizers or any(not _is_optimizer(o) for o in optimizers):
-        got = (
-            "nothing"
-            if result is None or (isinstance(result, (list, tuple)) and not result)
-            else repr(result)
-        )
-        raise ConfigurationError(f"{hint}; it returned {got}.")
-    return optimizers, schedulers
-
-
-def _parse_scheduler(sched: Any, hint: str) -> _Scheduler:
-    if isinstance(sched, dict):
-        if "scheduler" not in sched:
-            raise ConfigurationError(f"{hint}; the lr_scheduler dict has no 'scheduler' key.")
-        interval = sched.get("interval", "step")
-        if interval not in ("step", "epoch"):
-            raise ConfigurationError(f"lr_scheduler interval={interval!r}: use 'step' or 'epoch'.")
-        frequency = sched.get("frequency", 1)
-        if not isinstance(frequency, int) or frequency < 1:
-            raise ConfigurationError(f"lr_scheduler frequency={frequency!r}: give a positive integer.")
-        return _Scheduler(sched["scheduler"], interval, frequency)
-    if not hasattr(sched, "step"):
-        raise ConfigurationError(f"{hint}; lr_scheduler {sched!r} has no step().")
-    return _Scheduler(sched)
-
-
-def _is_optimizer(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.Optimizer) or (hasattr(obj, "param_groups") and hasattr(obj, "step"))
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, torch.Tensor):
-        raise ConfigurationError(
-            f"training_step returned {type(output).__name__}; return the loss tensor (or a dict with 'loss')."
-        )
-    return loss
-
-
 def _length(loader: Any) -> int | None:
     try:
         return len(loader)
     except TypeError:
         return None
-
-
-def checkpoint_step(path: Path) -> int | None:
-    match = _CHECKPOINT_NAME.match(path.name)
-    return int(match.group(1)) if match else None
-
-
-def is_complete(path: Path) -> bool:
-    from stratagem.checkpoint import METADATA_FILE
-
-    if path.is_file():
-        return path.stat().st_size > 0
-    return path.is_dir() and (path / METADATA_FILE).is_file()
-
-
-def find_last_checkpoint(directory: Path) -> Path | None:
-    """The checkpoint ``directory/last`` names, if complete; else the newest complete ``step-*``."""
-    pointer = directory / LAST_POINTER
-    if pointer.is_file():
-        named = directory / pointer.read_text().strip()
-        if named.name and is_complete(named):
-            return named
-    if not directory.is_dir():
-        return None
-    candidates = sorted(
-        (step, p) for p in directory.iterdir() if (step := checkpoint_step(p)) is not None and is_complete(p)
-    )
-    return candidates[-1][1] if candidates else None
-
-
-def _prune(directory: Path, *, keep: int, protect: str) -> None:
-    checkpoints = sorted((step, p) for p in directory.iterdir() if (step := checkpoint_step(p)) is not None)
-    for _, path in checkpoints[:-keep]:
-        if path.name == protect:
-            continue
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
 
 
 _TEARDOWN_REGISTERED: set[int] = set()

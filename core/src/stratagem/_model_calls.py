@@ -1,0 +1,60 @@
+"""How the loop calls into the user's model: batches to the device, each step through the wrapped model's call,
+and the loss out of what the step returned."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from stratagem.errors import ConfigurationError
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(item, device) for item in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+@contextlib.contextmanager
+def redirected_forward(module: torch.nn.Module, method: str) -> Iterator[None]:
+    """Make ``wrapper(*args)`` run ``module.<method>(*args)`` inside the wrapper's forward.
+
+    A wrapper (DDP, a sharding wrapper) does its work around its own forward, and a strategy that wraps in place
+    (FSDP2) hooks the module's own call; calling ``training_step`` on the module directly would skip either. The original forward is put back as soon as the step starts, so the
+    step's own ``self(x)`` calls reach the real forward.
+    """
+    had_instance_forward = "forward" in module.__dict__
+    original = module.__dict__.get("forward")
+
+    def restore() -> None:
+        if had_instance_forward:
+            module.forward = original  # type: ignore[method-assign]
+        else:
+            module.__dict__.pop("forward", None)
+
+    def step_as_forward(*args: Any, **kwargs: Any) -> Any:
+        restore()
+        return getattr(module, method)(*args, **kwargs)
+
+    module.forward = step_as_forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        restore()
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigurationError(
+            f"training_step returned {type(output).__name__}; return the loss tensor (or a dict with 'loss')."
+        )
+    return loss

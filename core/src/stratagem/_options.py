@@ -1,0 +1,63 @@
+"""The Trainer's options: checked when the Trainer is made, before anything launches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from stratagem.errors import ConfigurationError
+
+
+def _optional_positive(kind: type) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+            raise ConfigurationError(
+                f"Trainer({attribute.name}={value!r}): give a positive {kind.__name__} or None."
+            )
+
+    return check
+
+
+def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"Trainer({attribute.name}={value!r}): give a positive integer.")
+
+
+def _clip_value(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+@attrs.frozen(kw_only=True)
+class TrainerOptions:
+    """The loop's options, checked when the Trainer is made (before anything launches)."""
+
+    max_steps: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    max_epochs: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    accumulate_grad_batches: int = attrs.field(default=1, validator=_positive_int)
+    gradient_clip_val: float | None = attrs.field(
+        default=None, converter=_clip_value, validator=_optional_positive(float)
+    )
+    val_check_interval: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    limit_val_batches: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    checkpoint_every_n_steps: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    keep_last_k: int | None = attrs.field(default=None, validator=_optional_positive(int))
+    checkpoint_format: str | None = attrs.field(default=None)
+    default_root_dir: Path = attrs.field(default=Path("runs"), converter=Path)
+    seed: int | None = attrs.field(default=None)
+    log_every_n_steps: int = attrs.field(default=10, validator=_positive_int)
+    enable_progress_bar: bool = True
+    use_distributed_sampler: bool = True
+
+    @checkpoint_format.validator
+    def _check_format(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in (None, "full", "sharded"):
+            raise ConfigurationError(f"Trainer(checkpoint_format={value!r}): use 'full', 'sharded' or None.")
+
+    @seed.validator
+    def _check_seed(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigurationError(f"Trainer(seed={value!r}): give an integer or None.")
