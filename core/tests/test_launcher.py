@@ -19,20 +19,6 @@ sys.path.insert(0, str(WORKLOADS))
 import sg_workloads as wl  # noqa: E402
 
 
-def _processes_mentioning(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
 def _failing_run(tmp_path: Path, how: str) -> tuple[subprocess.CompletedProcess, float]:
     root = tmp_path / f"fail-{how}"
     command = [sys.executable, str(WORKLOADS / "sg_workloads.py"), "--devices", "2", "--steps", "50"]
@@ -41,7 +27,7 @@ def _failing_run(tmp_path: Path, how: str) -> tuple[subprocess.CompletedProcess,
     done = subprocess.run(command, capture_output=True, text=True, timeout=90)
     elapsed = time.monotonic() - start
     time.sleep(0.5)
-    assert _processes_mentioning(str(root)) == [], "a worker outlived the run"
+    assert wl.processes_mentioning(str(root)) == [], "a worker outlived the run"
     return done, elapsed
 
 

@@ -27,6 +27,15 @@ def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None
         raise ConfigurationError(f"Trainer({attribute.name}={value!r}): give a positive integer.")
 
 
+def _non_negative_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"Trainer({attribute.name}={value!r}): give 0 or a positive integer.")
+
+
+def _optional_float(value: Any) -> Any:
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def _clip_value(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -51,6 +60,21 @@ class TrainerOptions:
     log_every_n_steps: int = attrs.field(default=10, validator=_positive_int)
     enable_progress_bar: bool = True
     use_distributed_sampler: bool = True
+    max_restarts: int = attrs.field(default=0, validator=_non_negative_int)
+    checkpoint_every_n_minutes: float | None = attrs.field(
+        default=None, converter=_optional_float, validator=_optional_positive(float)
+    )
+    restart_from_scratch: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        periodic = self.checkpoint_every_n_steps is not None or self.checkpoint_every_n_minutes is not None
+        if self.max_restarts and not periodic and not self.restart_from_scratch:
+            # A restart resumes from the newest checkpoint of the run; with none written, it starts over.
+            raise ConfigurationError(
+                f"Trainer(max_restarts={self.max_restarts}) without checkpoint_every_n_steps or "
+                "checkpoint_every_n_minutes: a restarted run would find no checkpoint and start again from step "
+                "0. Set a checkpoint cadence, or pass restart_from_scratch=True if that is what you want."
+            )
 
     @checkpoint_format.validator
     def _check_format(self, attribute: attrs.Attribute, value: Any) -> None:

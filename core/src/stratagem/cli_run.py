@@ -21,7 +21,18 @@ def _add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--devices", type=int, default=1, help="workers per node (default 1)")
     p.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    p.add_argument(
+        "--nnodes",
+        default="1",
+        help="number of nodes, or MIN:MAX for elastic membership (c10d rendezvous: a lost node's peers go on)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the worker group this many times after a failure; the Trainer resumes from the newest "
+        "complete checkpoint",
+    )
     p.add_argument("--node-rank", type=int, default=None, help="this node's index (0 hosts the rendezvous)")
     p.add_argument(
         "--rdzv-endpoint", default=None, help="host:port of the rendezvous, the same on every node"
@@ -64,7 +75,8 @@ def _run(args: argparse.Namespace) -> int:
     from stratagem.errors import ConfigurationError
 
     _check_positive("--devices", args.devices)
-    _check_positive("--nnodes", args.nnodes)
+    _, max_nodes = launcher.parse_nnodes(args.nnodes)
+    launcher.check_max_restarts(args.max_restarts)
     if args.script == "-m":
         if not args.args:
             raise ConfigurationError("stratagem run -m needs a module name.")
@@ -73,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
         if not os.path.isfile(args.script):
             raise ConfigurationError(f"{args.script}: no such script.")
         command = [sys.executable, args.script, *args.args]
-    if args.nnodes > 1 and not args.rdzv_endpoint:
+    if max_nodes > 1 and not args.rdzv_endpoint:
         raise ConfigurationError("--nnodes > 1 needs --rdzv-endpoint host:port (the same on every node).")
     env = {}
     if args.strategy:
@@ -89,6 +101,7 @@ def _run(args: argparse.Namespace) -> int:
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
         env=env,
+        max_restarts=args.max_restarts,
     )
     return 0
 

@@ -30,6 +30,9 @@ class ClusterEnvironment:
     :param backend: the ``torch.distributed`` backend (``gloo`` or ``nccl``).
     :param timeout_s: the process-group timeout in seconds.
     :param source: what launched the process: ``single``, ``torchrun`` (also stratagem's own launcher) or ``slurm``.
+    :param restart_count: how many times the launcher restarted this worker group (0 in the first attempt).
+    :param launcher_hosts_store: the store at ``master_addr:master_port`` belongs to the launcher (torch's
+        elastic agent sharing its rendezvous store) and outlives a restart, keeping the last attempt's keys.
     """
 
     rank: int = 0
@@ -44,6 +47,8 @@ class ClusterEnvironment:
     backend: str = "gloo"
     timeout_s: float = 1800.0
     source: str = "single"
+    restart_count: int = 0
+    launcher_hosts_store: bool = False
 
     @property
     def local_world_size(self) -> int:
@@ -145,4 +150,6 @@ def detect(
         backend=backend,
         timeout_s=timeout_s,
         source=source or "single",
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        launcher_hosts_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )

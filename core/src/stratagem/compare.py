@@ -191,8 +191,8 @@ def load_model_factory(spec: str) -> Callable[[], Any]:
 
 def _training_loss(wrapped: Any, module: Any, batch: Any, batch_idx: int) -> Any:
     """The loss through the wrapper's forward (where DDP and FSDP do their work)."""
-    from stratagem.module import Module
     from stratagem._model_calls import redirected_forward
+    from stratagem.module import Module
 
     has_step = isinstance(module, Module) and type(module).overrides("training_step")
     if not has_step:

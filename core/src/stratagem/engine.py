@@ -97,6 +97,9 @@ class Engine:
     :param num_nodes: nodes.
     :param precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"`` (CUDA only).
     :param timeout: process-group timeout in seconds: a rank that waits longer on a peer fails.
+    :param max_restarts: when a worker fails (raises, is killed, or hangs past ``timeout`` under the Trainer),
+        torch's elastic agent restarts all the workers up to this many times (the Trainer resumes from the
+        newest complete checkpoint); 0 ends the run at the first failure.
     :param addons: add-on plugins (``@hookimpl(wrapper=True)`` around strategy operations) for this engine
         only, registered after the installed ones. They travel to launched workers, so they must pickle.
     """
@@ -110,6 +113,7 @@ class Engine:
         precision: str | int = "32-true",
         timeout: float = DEFAULT_TIMEOUT_S,
         addons: list[object] | tuple[object, ...] = (),
+        max_restarts: int = 0,
     ) -> None:
         if not isinstance(devices, int) or devices < 1:
             raise ConfigurationError(f"devices={devices!r}: give a positive number of processes per node.")
@@ -123,7 +127,10 @@ class Engine:
             precision=precision,
             timeout=timeout,
             addons=tuple(addons),
+            max_restarts=max_restarts,
         )
+        launcher.check_max_restarts(max_restarts)
+        self.max_restarts = max_restarts
         self.accelerator = cluster_mod.resolve_accelerator(accelerator)
         self.precision = normalize(precision)
         self.devices, self.num_nodes, self.timeout = devices, num_nodes, float(timeout)
@@ -262,7 +269,7 @@ class Engine:
                     "`stratagem run --nnodes N --node-rank R --rdzv-endpoint host:port script.py`."
                 )
             if fn is None:
-                launcher.supervise_script(self.devices, self.accelerator)
+                launcher.supervise_script(self.devices, self.accelerator, max_restarts=self.max_restarts)
             return self._launch_function(fn, args)
         target = _rerun.target_call()
         if fn is not None and target is not None:
@@ -279,6 +286,7 @@ class Engine:
                 (self._config, fn, args),
                 nproc_per_node=self.devices,
                 accelerator=self.accelerator,
+                max_restarts=self.max_restarts,
             ).get(0)
         else:
             started = _rerun.how_started()
@@ -297,6 +305,7 @@ class Engine:
                     nproc_per_node=self.devices,
                     accelerator=self.accelerator,
                     env=env,
+                    max_restarts=self.max_restarts,
                 ),
             )
         _rerun.record(result)

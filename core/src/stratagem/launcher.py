@@ -17,21 +17,21 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
-from stratagem.errors import WorkerFailedError
+from stratagem._failures import FAILURE_SUFFIX, describe
+from stratagem.errors import ConfigurationError, WorkerFailedError
 
 #: Set in every worker stratagem starts, so that nothing in it launches again.
 WORKER_ENV = "STRATAGEM_WORKER"
-#: Beside the agent's error file, a worker notes when it failed (see :func:`_root_failure`).
-FAILURE_SUFFIX = ".stratagem.json"
 #: glibc keeps freed buffers above its dynamic mmap threshold in the heap; FSDP's all-gather buffers then
 #: pile up in RSS. A fixed threshold returns them to the OS; huge pages for malloc's mappings keep the page
 #: faults of fresh buffers from costing step time (measured in benchmarks/allocator.py).
@@ -90,107 +90,102 @@ def _quiet_agent() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _config(
-    nproc_per_node: int,
-    nnodes: int,
-    node_rank: int | None,
-    rdzv_endpoint: str | None,
-    run_id: str | None,
-) -> Any:
-    from torch.distributed.launcher.api import LaunchConfig
-
-    if nnodes > 1 and not rdzv_endpoint:
+def _rendezvous(
+    nnodes: int | str, node_rank: int | None, rdzv_endpoint: str | None, run_id: str | None
+) -> dict[str, Any]:
+    """How the agents of a run find each other: one node alone, a fixed node rank, or c10d (elastic)."""
+    min_nodes, max_nodes = parse_nnodes(nnodes)
+    if max_nodes > 1 and not rdzv_endpoint:
         raise WorkerFailedError(
             None, None, "Several nodes need --rdzv-endpoint host:port, the same on every node."
         )
-    if nnodes == 1 and not rdzv_endpoint:
+    if max_nodes == 1 and not rdzv_endpoint:
         backend, endpoint, configs = "c10d", f"127.0.0.1:{free_port()}", {}
     elif node_rank is not None:
         # A fixed node rank is the static rendezvous: node 0 hosts the store at the endpoint.
         backend, endpoint, configs = "static", rdzv_endpoint, {"rank": node_rank}
     else:
         backend, endpoint, configs = "c10d", rdzv_endpoint, {}
-    return LaunchConfig(
-        min_nodes=nnodes,
-        max_nodes=nnodes,
-        nproc_per_node=nproc_per_node,
+    return dict(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
         # Every node's agent must use the same run id to find the others' keys in the rendezvous store.
         run_id=run_id or (f"stratagem-{rdzv_endpoint}" if rdzv_endpoint else uuid.uuid4().hex),
         rdzv_backend=backend,
         rdzv_endpoint=endpoint or "",
         rdzv_configs=configs,
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-        shutdown_timeout=5,
     )
 
 
-def _failure_time(failure: Any) -> float | None:
-    """When the worker recorded its exception (sub-second), or ``None`` if it recorded none."""
-    path = getattr(failure, "error_file", "")
-    if not path or not os.path.isfile(path + FAILURE_SUFFIX):
-        return None
+def parse_nnodes(nnodes: int | str) -> tuple[int, int]:
+    """``2`` or ``"2"`` -> (2, 2); ``"1:2"`` -> (1, 2): elastic membership between MIN and MAX nodes."""
+    text = str(nnodes)
+    low, sep, high = text.partition(":")
     try:
-        return float(json.loads(open(path + FAILURE_SUFFIX).read())["time"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _root_failure(error: Any) -> tuple[int, Any]:
-    """The failure that started it all.
-
-    The agent orders failures by whole seconds, so a rank that failed because its peer vanished can tie with
-    the peer. A worker that died without recording an exception (a signal other than the agent's SIGTERM,
-    ``sys.exit(n)``) is a root cause: a lost peer shows up as an exception. Otherwise the earliest recorded
-    exception is.
-    """
-    failures = dict(error.failures)
-    silent = [
-        (f.timestamp, rank, f)
-        for rank, f in failures.items()
-        if _failure_time(f) is None and f.exitcode not in (0, -signal.SIGTERM)
-    ]
-    if silent:
-        _, rank, failure = min(silent, key=lambda item: item[:2])
-        return rank, failure
-    timed = [(t, rank, f) for rank, f in failures.items() if (t := _failure_time(f)) is not None]
-    if timed:
-        _, rank, failure = min(timed, key=lambda item: item[:2])
-        return rank, failure
-    return error.get_first_failure()
-
-
-def _describe(error: Any) -> WorkerFailedError:
-    rank, failure = _root_failure(error)
-    exitcode = failure.exitcode
-    if exitcode is not None and exitcode < 0:
-        with contextlib.suppress(ValueError):
-            detail = f"killed by signal {signal.Signals(-exitcode).name}"
-            return WorkerFailedError(rank, exitcode, detail)
-    message = failure.message if isinstance(failure.message, str) else ""
-    if "To enable traceback" in message:  # the agent's placeholder when no error file was written
-        message = ""
-    data = failure.error_file_data or {}
-    stack = ""
-    if isinstance(data.get("message"), dict):
-        stack = data["message"].get("extraInfo", {}).get("py_callstack", "")
-    detail = (stack or message or "no traceback recorded (see the worker's output above)").rstrip()
-    return WorkerFailedError(rank, exitcode, detail)
+        min_nodes, max_nodes = int(low), int(high if sep else low)
+    except ValueError:
+        raise ConfigurationError(f"--nnodes {text!r}: give N or MIN:MAX (whole numbers).") from None
+    if min_nodes < 1 or max_nodes < min_nodes:
+        raise ConfigurationError(
+            f"--nnodes {text!r}: need 1 <= MIN <= MAX (MIN:MAX is the range of nodes a run may have)."
+        )
+    return min_nodes, max_nodes
 
 
 def _run(
-    entrypoint: Callable | str, args: list[Any], env: Mapping[str, str], **config: Any
+    entrypoint: Callable | str,
+    args: list[Any],
+    env: Mapping[str, str],
+    *,
+    nproc_per_node: int,
+    nnodes: int | str,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    run_id: str | None,
+    max_restarts: int = 0,
 ) -> dict[int, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import launch_agent
 
-    launch_config = _config(**config)
-    with _environment(env), _quiet_agent():
-        try:
-            return launch_agent(launch_config, entrypoint, list(args))
-        except ChildFailedError as error:
-            raise _describe(error) from None
+    from stratagem import _agent
+
+    check_max_restarts(max_restarts)
+    rendezvous = _rendezvous(nnodes, node_rank, rdzv_endpoint, run_id)
+    with tempfile.TemporaryDirectory(prefix="stratagem-agent-") as scratch:
+        restart_log = Path(scratch) / "restarts.jsonl"
+        restart_log.touch()
+        # A restarted group must not meet its predecessor's keys: without sharing the agent's store, each
+        # attempt's rank 0 hosts a fresh one (the shared store keeps the dead workers' addresses).
+        agent_env = {
+            **env,
+            _agent.RESTART_LOG_ENV: str(restart_log),
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+        with _environment(agent_env), _quiet_agent():
+            try:
+                return _agent.run_agent(
+                    entrypoint=entrypoint,
+                    args=list(args),
+                    nproc_per_node=nproc_per_node,
+                    max_restarts=max_restarts,
+                    restart_log=restart_log,
+                    **rendezvous,
+                )
+            except ChildFailedError as error:
+                failed = describe(error.failures)
+                if max_restarts:
+                    failed = WorkerFailedError(
+                        failed.rank,
+                        failed.exitcode,
+                        f"{failed.detail}\ngave up after {max_restarts} restart(s)",
+                    )
+                raise failed from None
+
+
+def check_max_restarts(max_restarts: Any) -> None:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ConfigurationError(
+            f"max_restarts={max_restarts!r}: give 0 (no restart) or a positive number of restarts."
+        )
 
 
 def launch_function(
@@ -199,10 +194,11 @@ def launch_function(
     *,
     nproc_per_node: int,
     accelerator: str = "cpu",
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
     env: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` in every worker; return ``{rank: result}`` of this node's workers."""
     return _run(
@@ -214,6 +210,7 @@ def launch_function(
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
         run_id=None,
+        max_restarts=max_restarts,
     )
 
 
@@ -228,10 +225,11 @@ def launch_script(
     *,
     nproc_per_node: int,
     accelerator: str = "cpu",
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
     env: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
 ) -> None:
     """Run ``command`` (an executable and its arguments) in every worker and wait for all of them."""
     _run(
@@ -243,23 +241,32 @@ def launch_script(
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
         run_id=None,
+        max_restarts=max_restarts,
     )
 
 
-def supervise_script(nproc_per_node: int, accelerator: str, env: Mapping[str, str] | None = None) -> None:
+def supervise_script(
+    nproc_per_node: int, accelerator: str, env: Mapping[str, str] | None = None, max_restarts: int = 0
+) -> None:
     """Re-run this very command in ``nproc_per_node`` workers, then end this process with their status.
 
     The launching process only supervises: the rest of the script ran in the workers.
     """
     try:
-        launch_script(current_command(), nproc_per_node=nproc_per_node, accelerator=accelerator, env=env)
+        launch_script(
+            current_command(),
+            nproc_per_node=nproc_per_node,
+            accelerator=accelerator,
+            env=env,
+            max_restarts=max_restarts,
+        )
     except WorkerFailedError as error:
         raise SystemExit(f"stratagem: {error}") from None
     raise SystemExit(0)
 
 
 def _call_recording(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` in a spawned worker, noting the time of an exception for :func:`_root_failure`."""
+    """Run ``fn`` in a spawned worker, noting the time of an exception for :func:`stratagem._failures.root_failure`."""
     try:
         return fn(*args)
     except BaseException as error:

@@ -18,8 +18,10 @@ from stratagem._model_calls import loss_of, redirected_forward, to_device
 from stratagem._optimizers import Scheduler, parse_optimizers
 from stratagem._options import TrainerOptions
 from stratagem._progress import ProgressBar, format_metrics
+from stratagem._recovery import Recovery
 from stratagem._resume import Position, start_epoch
 from stratagem._run_dir import CHECKPOINT_DIR, checkpoint_name, find_last_checkpoint, prune, publish_last
+from stratagem._watchdog import collective_timeout
 from stratagem.checkpoint import PerRank
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
 from stratagem.errors import CheckpointError, ConfigurationError
@@ -79,6 +81,9 @@ class Trainer:
         enable_progress_bar: bool = True,
         use_distributed_sampler: bool = True,
         timeout: float = DEFAULT_TIMEOUT_S,
+        max_restarts: int = 0,
+        checkpoint_every_n_minutes: float | None = None,
+        restart_from_scratch: bool = False,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -95,6 +100,9 @@ class Trainer:
             log_every_n_steps=log_every_n_steps,
             enable_progress_bar=enable_progress_bar,
             use_distributed_sampler=use_distributed_sampler,
+            max_restarts=max_restarts,
+            checkpoint_every_n_minutes=checkpoint_every_n_minutes,
+            restart_from_scratch=restart_from_scratch,
         )
         self.engine = Engine(
             strategy=strategy,
@@ -102,7 +110,15 @@ class Trainer:
             devices=devices,
             num_nodes=num_nodes,
             precision=precision,
+            # Longer than the hang watchdog's `timeout`, so that the watchdog names the rank that hangs.
+            timeout=collective_timeout(timeout),
+            max_restarts=max_restarts,
+        )
+        self._recovery = Recovery(
+            self.engine,
             timeout=timeout,
+            every_n_minutes=checkpoint_every_n_minutes,
+            max_restarts=max_restarts,
         )
         if checkpoint_format is not None:
             caps = self.engine.capabilities
@@ -185,9 +201,12 @@ class Trainer:
             self._check_optimizers_before_launch(model)
             self._launch()
         self._setup(model, with_optimizers=True)
-        resume_from = self._resolve_ckpt_path(ckpt_path)
+        resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
             self._load_for_resume(resume_from)
+        report = self._recovery.resumed(self.position.step)
+        if report is not None:
+            self.print(report)
         train_loader = self._prepare_loader(train_dataloaders)
         val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
         self._fit_loop(train_loader, val_loader, resumed=resume_from is not None)
@@ -220,6 +239,7 @@ class Trainer:
         )
         self.engine.save(path, state, format=format or self.checkpoint_format)
         self._last_saved_step = self.position.step
+        self._recovery.saved()
 
     def print(self, *args: Any) -> None:
         """Print on rank 0 (above the progress bar while it runs); nothing in a process that only launches."""
@@ -294,7 +314,9 @@ class Trainer:
                 f"devices={self.engine.devices} inside pytest would re-run pytest in every worker. Run the "
                 "training in a script (python script.py) from the test, or use Engine.launch(fn)."
             )
-        launcher.supervise_script(self.engine.devices, self.engine.accelerator)
+        launcher.supervise_script(
+            self.engine.devices, self.engine.accelerator, max_restarts=self.engine.max_restarts
+        )
 
     # set-up ----------------------------------------------------------------------------------------
     def _setup(self, model: Module, *, with_optimizers: bool) -> None:
@@ -406,14 +428,23 @@ class Trainer:
         self._bar.start(total=total, step=self.position.step)
         assert self.model is not None
         self.model.train()
+        recovery = self._recovery
+        recovery.start()
         try:
             self._epochs(loader, val_loader, max_epochs, length)
             if self._train_metrics:
                 self._log_train_metrics()
-            if opts.checkpoint_every_n_steps is not None and self._last_saved_step != self.position.step:
+            periodic = (
+                opts.checkpoint_every_n_steps is not None or opts.checkpoint_every_n_minutes is not None
+            )
+            if periodic and self._last_saved_step != self.position.step:
                 self._save_periodic()
         finally:
+            recovery.stop()
             self._bar.close()
+        summary = recovery.summary()
+        if summary is not None:
+            self.print(summary)
         self.engine.barrier("fit-end")
 
     def _done(self, max_epochs: int | None) -> bool:
@@ -452,22 +483,29 @@ class Trainer:
         opts, position, engine = self.options, self.position, self.engine
         batch_idx = position.batch_in_epoch
         boundary = last_of_epoch or (batch_idx + 1) % opts.accumulate_grad_batches == 0
+        beat = self._recovery.beat
+        beat(position.step, batch_idx, "training_step")
         if engine.device.type != "cpu":
             batch = to_device(batch, engine.device)
         with engine.no_sync(self.model, enabled=not boundary):
             with engine.forward_context():
                 output = self._call("training_step", batch, batch_idx)
             loss = loss_of(output)
+            beat(position.step, batch_idx, "backward")
             engine.backward(
                 loss / opts.accumulate_grad_batches if opts.accumulate_grad_batches > 1 else loss, self.model
             )
         self._train_metrics.add("loss", loss.detach())
         position.batch_in_epoch = batch_idx + 1
         if not boundary:
+            beat(position.step, batch_idx + 1, "data")
             return False
+        beat(position.step, batch_idx, "optimizer_step")
         self._optimizer_step()
         position.step += 1
+        self._recovery.step_done(position.step)
         if position.step % opts.log_every_n_steps == 0:
+            beat(position.step, batch_idx, "logging")
             self._log_train_metrics()
         assert self._bar is not None
         self._bar.update(position.step)
@@ -477,8 +515,11 @@ class Trainer:
             and position.step % opts.val_check_interval == 0
         ):
             self._run_validation(val_loader)
-        if opts.checkpoint_every_n_steps and position.step % opts.checkpoint_every_n_steps == 0:
+        by_steps = opts.checkpoint_every_n_steps and position.step % opts.checkpoint_every_n_steps == 0
+        if self._recovery.save_due() or by_steps:
+            beat(position.step, batch_idx, "checkpoint")
             self._save_periodic()
+        beat(position.step, batch_idx + 1, "data")
         return opts.max_steps is not None and position.step >= opts.max_steps
 
     def _optimizer_step(self) -> None:
@@ -510,6 +551,8 @@ class Trainer:
 
     def _log_train_metrics(self) -> None:
         store = self._train_metrics
+        if self._recovery.counts_restarts:
+            store.add("restarts", self._recovery.restart_count, reduce="max", prog_bar=False)
         shown = set(store.prog_bar)
         values = store.reduce(self.engine)
         self.logged_metrics.update(values)
@@ -530,6 +573,7 @@ class Trainer:
                 for batch_idx, batch in enumerate(loader):
                     if limit is not None and batch_idx >= limit:
                         break
+                    self._recovery.beat(self.position.step, self.position.batch_in_epoch, "validation")
                     if self.engine.device.type != "cpu":
                         batch = to_device(batch, self.engine.device)
                     with self.engine.forward_context():

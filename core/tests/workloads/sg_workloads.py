@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +160,24 @@ def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
     }
 
 
-def make_strategy(name: str, timeout: float) -> Any:
-    return GradAverage(timeout=timeout) if name == "gradavg" else name
+def processes_mentioning(marker: str) -> list[int]:
+    """Processes (other than this one) whose command line mentions ``marker``: workers left behind."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def make_strategy(name: str) -> Any:
+    # The Trainer's `timeout` sets the process group's (and the hang watchdog's): the strategy sets none.
+    return GradAverage() if name == "gradavg" else name
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -184,6 +201,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fail", choices=["raise", "kill"], default=None)
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument(
+        "--faults",
+        default="",
+        help="ATTEMPT:RANK:STEP:HOW,... with HOW kill, raise, hang or save-kill: in restart attempt ATTEMPT "
+        "(or * for every attempt), RANK fails at STEP (save-kill: dies just before publishing that step's "
+        "checkpoint)",
+    )
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--ckpt-minutes", type=float, default=None)
+    p.add_argument("--restart-from-scratch", action="store_true")
     return p.parse_args(argv)
 
 
@@ -194,7 +221,7 @@ def main(argv: list[str]) -> None:
     results = []
     for i, accumulate in enumerate(args.accumulate):
         trainer = sg.Trainer(
-            strategy=make_strategy(args.strategy, args.timeout),
+            strategy=make_strategy(args.strategy),
             accelerator="cpu",
             devices=args.devices,
             max_steps=args.steps,
@@ -207,10 +234,15 @@ def main(argv: list[str]) -> None:
             log_every_n_steps=2,
             val_check_interval=3 if args.val else None,
             timeout=args.timeout,
+            max_restarts=args.max_restarts,
+            checkpoint_every_n_minutes=args.ckpt_minutes,
+            restart_from_scratch=args.restart_from_scratch,
         )
         module = Regression(dropout=args.dropout, optimizer=args.optimizer, scheduler=args.scheduler)
         if args.fail is not None:
             module.training_step = _failing(module.training_step, trainer, args)  # type: ignore[method-assign]
+        if args.faults:
+            module.training_step = _scheduled_faults(module.training_step, trainer, args.faults)  # type: ignore[method-assign]
         loader = DataLoader(data, batch_size=args.batch, shuffle=args.shuffle)
         val = DataLoader(data, batch_size=16) if args.val else None
         trainer.fit(module, loader, val, ckpt_path=args.ckpt_path)
@@ -225,6 +257,45 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if args.out:
         torch.save(results, f"{args.out}.rank{rank}")
+
+
+def _scheduled_faults(step: Any, trainer: sg.Trainer, faults: str) -> Any:
+    """Fail as the schedule says, in this restart attempt of the worker group only."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    mine = []
+    for item in faults.split(","):
+        when, rank, at, how = item.split(":")
+        if when in ("*", str(attempt)) and int(rank) == int(os.environ.get("RANK", "0")):
+            mine.append((int(at), how))
+    for at, how in mine:
+        if how == "save-kill":
+            _die_before_publishing(f"step-{at:06d}")
+
+    def training_step(batch: Any, batch_idx: int) -> Any:
+        for at, how in mine:
+            if trainer.global_step == at:
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if how == "raise":
+                    raise RuntimeError(f"deliberate failure on rank {trainer.engine.rank} at step {at}")
+                if how == "hang":
+                    while True:
+                        time.sleep(1)
+        return step(batch, batch_idx)
+
+    return training_step
+
+
+def _die_before_publishing(name: str) -> None:
+    """A crash in the middle of a save: the checkpoint is written but not yet renamed into place."""
+    original = os.replace
+
+    def replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.path.basename(os.fspath(dst)).startswith(name):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(src, dst, *args, **kwargs)
+
+    os.replace = replace  # type: ignore[assignment]
 
 
 def _failing(step: Any, trainer: sg.Trainer, args: argparse.Namespace) -> Any:

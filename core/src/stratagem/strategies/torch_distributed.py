@@ -60,9 +60,17 @@ class TorchDistributedStrategy(Strategy):
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = self.device
+        if cluster.launcher_hosts_store and cluster.restart_count > 0:
+            # The launcher's store still holds the failed attempt's keys (its workers' addresses): a group
+            # formed from them would connect to dead processes. Keep each attempt's keys apart.
+            shared = dist.TCPStore(
+                cluster.master_addr, cluster.master_port, cluster.world_size, is_master=False, timeout=timeout
+            )
+            kwargs["store"] = dist.PrefixStore(f"stratagem/attempt-{cluster.restart_count}/", shared)
+        else:
+            kwargs["init_method"] = f"tcp://{cluster.master_addr}:{cluster.master_port}"
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{cluster.master_addr}:{cluster.master_port}",
             rank=cluster.rank,
             world_size=cluster.world_size,
             timeout=timeout,

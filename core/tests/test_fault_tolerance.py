@@ -1,0 +1,128 @@
+"""Restarts after a failure, with the result of an uninterrupted run: a rank that raises once is retried, one
+that always raises ends the run after N restarts, a hang is detected and named, a crash in the middle of a
+save resumes from the previous complete checkpoint; bad input is refused. Real 2-process runs under torch's
+elastic agent (the in-test gradient-averaging strategy; ddp and fsdp are in tests/test_fault_tolerance.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import stratagem as sg
+from stratagem.errors import ConfigurationError
+
+WORKLOADS = Path(__file__).parent / "workloads"
+SCRIPT = WORKLOADS / "sg_workloads.py"
+sys.path.insert(0, str(WORKLOADS))
+import sg_workloads as wl  # noqa: E402
+
+STEPS = 8
+
+
+def _run(root: Path, *extra: str, timeout: float = 150) -> tuple[subprocess.CompletedProcess, float]:
+    command = [sys.executable, str(SCRIPT), "--devices", "2", "--steps", str(STEPS), "--optimizer", "adamw"]
+    command += ["--shuffle", "--root", str(root), "--out", str(root / "out"), *extra]
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    elapsed = time.monotonic() - start
+    time.sleep(0.3)
+    assert wl.processes_mentioning(str(root)) == [], "a worker outlived the run"
+    return done, elapsed
+
+
+def _params(root: Path) -> dict[str, torch.Tensor]:
+    (result,) = torch.load(f"{root / 'out'}.rank0", weights_only=False)
+    return result["params"]
+
+
+def _assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_restarts_resume_as_if_nothing_had_failed(tmp_path: Path) -> None:
+    reference, _ = _run(tmp_path / "reference", "--ckpt-every", "2")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    want = _params(tmp_path / "reference")
+
+    # A transient error on rank 1 at step 3: one restart, resumed from step 2, one step lost.
+    once, _ = _run(tmp_path / "once", "--ckpt-every", "2", "--max-restarts", "2", "--faults", "0:1:3:raise")
+    assert once.returncode == 0, once.stderr[-3000:]
+    _assert_bit_equal(_params(tmp_path / "once"), want)
+    assert "restarting the workers (1 of 2 restarts)" in once.stderr
+    assert (
+        "restart 1 of 2: rank 1 RuntimeError: deliberate failure on rank 1 at step 3; resumed from step 2"
+        in (once.stdout)
+    ), once.stdout
+    assert "this run was restarted 1 time(s)" in once.stdout
+    assert "restarts" in (tmp_path / "once" / "run0" / "metrics.csv").read_text().splitlines()[0]
+
+    # Killed just before the step-4 checkpoint is published: the restart takes step 2's, never the torn one.
+    torn, _ = _run(
+        tmp_path / "torn", "--ckpt-every", "2", "--max-restarts", "1", "--faults", "0:0:4:save-kill"
+    )
+    assert torn.returncode == 0, torn.stderr[-3000:]
+    assert "rank 0 killed by signal SIGKILL" in torn.stderr
+    assert "resumed from step 2" in torn.stdout, torn.stdout
+    _assert_bit_equal(_params(tmp_path / "torn"), want)
+
+    # A hang on rank 1: the watchdog names it within the timeout, the group restarts and finishes.
+    hung, _ = _run(
+        tmp_path / "hung",
+        *("--ckpt-every", "2", "--max-restarts", "1", "--faults", "0:1:5:hang", "--timeout", "6"),
+    )
+    assert hung.returncode == 0, hung.stderr[-3000:]
+    assert "rank 1 stopped making progress" in hung.stderr, hung.stderr[-3000:]
+    _assert_bit_equal(_params(tmp_path / "hung"), want)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_failures_that_restarts_cannot_fix_end_the_run_naming_the_rank(tmp_path: Path) -> None:
+    always, _ = _run(
+        tmp_path / "always", "--ckpt-every", "2", "--max-restarts", "2", "--faults", "*:1:3:raise"
+    )
+    assert always.returncode != 0
+    assert "rank 1" in always.stderr and "gave up after 2 restart(s)" in always.stderr, always.stderr[-3000:]
+    assert always.stderr.count("Traceback (most recent call last)") == 1, always.stderr[-5000:]
+
+    hung, elapsed = _run(tmp_path / "hang", "--faults", "*:1:3:hang", "--timeout", "6")
+    assert hung.returncode != 0
+    assert "Training failed: rank 1" in hung.stderr and "rank 1 stopped making progress" in hung.stderr, (
+        hung.stderr[-3000:]
+    )
+    assert "time.sleep" in hung.stderr or "hang" in hung.stderr  # the hung thread's stack is shown
+    assert elapsed < 60
+
+
+def test_bad_restart_options_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="max_restarts=-1"):
+        sg.Trainer(max_restarts=-1, checkpoint_every_n_steps=1)
+    with pytest.raises(ConfigurationError, match="start again from step 0") as caught:
+        sg.Trainer(max_restarts=2)
+    assert "restart_from_scratch=True" in str(caught.value)
+    sg.Trainer(max_restarts=2, restart_from_scratch=True)
+    sg.Trainer(max_restarts=2, checkpoint_every_n_minutes=0.5)
+    with pytest.raises(ConfigurationError, match="checkpoint_every_n_minutes=0"):
+        sg.Trainer(checkpoint_every_n_minutes=0)
+    with pytest.raises(ConfigurationError, match="max_restarts"):
+        sg.Engine(max_restarts=-1)
+    for args, message in (
+        (["--nnodes", "3:2"], "--nnodes '3:2'"),
+        (["--nnodes", "a"], "--nnodes 'a'"),
+        (["--max-restarts", "-1"], "max_restarts=-1"),
+    ):
+        script = tmp_path / "train.py"
+        script.write_text("raise SystemExit('should not run')\n")
+        done = subprocess.run(
+            [sys.executable, "-m", "stratagem", "run", *args, str(script)], capture_output=True, text=True
+        )
+        assert done.returncode == 2 and message in done.stderr, done.stderr
