@@ -149,7 +149,11 @@ def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
     assert trainer.model is not None
     optimizer = trainer.optimizers[0].optimizer
     return {
-        "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        # A sharded parameter (a DTensor) is gathered whole: every rank calls this.
+        "params": {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in module.state_dict().items()
+        },
         "optimizer": optimizer.state_dict(),
         "losses": list(module.losses),
         "step": trainer.global_step,
