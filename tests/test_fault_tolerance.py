@@ -52,3 +52,96 @@ def test_random_kills_end_with_the_uninterrupted_parameters(tmp_path: Path, stra
     assert got["step"] == want["step"] == STEPS
     for name, value in want["params"].items():
         assert torch.equal(got["params"][name], value), f"seed {seed}, kills {schedule}: {name} differs"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_lost_node_leaves_the_other_to_finish_at_the_smaller_world_size(tmp_path: Path) -> None:
+    """Two elastic agents ("nodes" of one worker each, c10d rendezvous on localhost, --nnodes 1:2): the second
+    agent's whole process tree is killed; the first re-forms the group alone and resumes from the newest
+    sharded checkpoint, resharded from 2 ranks to 1, keeping the global batch by accumulation."""
+    import time
+
+    from stratagem.launcher import free_port
+
+    root, port = tmp_path / "elastic", free_port()
+    steps = 14
+    run = [
+        sys.executable,
+        "-m",
+        "stratagem",
+        "run",
+        "--nnodes",
+        "1:2",
+        "--devices",
+        "1",
+        "--max-restarts",
+        "2",
+    ]
+    run += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=2", str(SCRIPT)]
+    run += [
+        "--strategy",
+        "fsdp",
+        "--devices",
+        "1",
+        "--steps",
+        str(steps),
+        "--batch",
+        "4",
+        "--ckpt-every",
+        "2",
+    ]
+    run += ["--format", "sharded", "--step-sleep", "0.4", "--root", str(root), "--out", str(root / "out")]
+    with open(tmp_path / "node0.log", "w") as log0, open(tmp_path / "node1.log", "w") as log1:
+        survivor = subprocess.Popen(run, stdout=log0, stderr=subprocess.STDOUT, start_new_session=True)
+        time.sleep(1.0)  # the survivor binds the rendezvous endpoint: the node that hosts it must stay
+        lost = subprocess.Popen(run, stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
+    checkpoints = root / "run0" / "checkpoints"
+    try:
+        deadline = time.monotonic() + 120
+        while not (checkpoints / "step-000004").is_dir():
+            assert time.monotonic() < deadline, (tmp_path / "node0.log").read_text()[-3000:]
+            assert survivor.poll() is None and lost.poll() is None
+            time.sleep(0.2)
+        _kill_tree(lost.pid)
+        assert survivor.wait(timeout=200) == 0, (tmp_path / "node0.log").read_text()[-4000:]
+    finally:
+        for process in (survivor, lost):
+            if process.poll() is None:
+                _kill_tree(process.pid)
+                process.wait()
+    log = (tmp_path / "node0.log").read_text()
+    assert "world size changed from 2 to 1" in log and "accumulate_grad_batches 1 -> 2" in log, log[-4000:]
+    (result,) = torch.load(f"{root / 'out'}.rank0", weights_only=False)
+    assert result["world_size"] == 1 and result["step"] == steps
+    assert all(torch.isfinite(p).all() for p in result["params"].values())
+    time.sleep(0.5)
+    sys.path.insert(0, str(WORKLOADS))
+    import sg_workloads as wl
+
+    assert wl.processes_mentioning(str(root)) == []
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (the agent starts each worker in a session of its own)."""
+    import os
+    import signal
+
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, []))
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

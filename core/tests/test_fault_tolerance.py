@@ -126,3 +126,23 @@ def test_bad_restart_options_are_refused_before_anything_runs(tmp_path: Path) ->
             [sys.executable, "-m", "stratagem", "run", *args, str(script)], capture_output=True, text=True
         )
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_changed_world_size_keeps_the_global_batch_where_it_divides() -> None:
+    from stratagem._resume import Position, continue_at_world_size
+
+    shrunk = Position(step=4, epoch=0, batch_in_epoch=6)  # 6 batches per rank at 4 ranks: 24 consumed
+    accumulate, message = continue_at_world_size(shrunk, saved_world_size=4, saved_accumulate=1, world_size=2)
+    assert (accumulate, shrunk.batch_in_epoch) == (2, 12) and "accumulate_grad_batches 1 -> 2" in message
+    grown = Position(step=4, epoch=0, batch_in_epoch=12)
+    accumulate, message = continue_at_world_size(grown, saved_world_size=2, saved_accumulate=2, world_size=4)
+    assert (accumulate, grown.batch_in_epoch) == (1, 6) and "accumulate_grad_batches 2 -> 1" in message
+    odd = Position(
+        step=4, epoch=0, batch_in_epoch=5
+    )  # 10 consumed at 2 ranks; 3 ranks can't share 2 per step
+    accumulate, message = continue_at_world_size(odd, saved_world_size=2, saved_accumulate=1, world_size=3)
+    assert (accumulate, odd.batch_in_epoch) == (1, 3)
+    assert (
+        "cannot be split over 3 ranks" in message
+        and "1 per-rank batch(es) of this epoch are seen again" in message
+    )

@@ -37,6 +37,11 @@ def _add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rdzv-endpoint", default=None, help="host:port of the rendezvous, the same on every node"
     )
+    p.add_argument(
+        "--rdzv-conf",
+        default="",
+        help="c10d rendezvous settings as key=value,... (e.g. last_call_timeout=5,join_timeout=600)",
+    )
     p.add_argument("script", help="the script to run (or -m followed by a module)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
 
@@ -102,8 +107,21 @@ def _run(args: argparse.Namespace) -> int:
         rdzv_endpoint=args.rdzv_endpoint,
         env=env,
         max_restarts=args.max_restarts,
+        rdzv_configs=_rdzv_conf(args.rdzv_conf),
     )
     return 0
+
+
+def _rdzv_conf(text: str) -> dict[str, str]:
+    from stratagem.errors import ConfigurationError
+
+    conf = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigurationError(f"--rdzv-conf {text!r}: give key=value pairs separated by commas.")
+        conf[key.strip()] = value.strip()
+    return conf
 
 
 @cli.command("demo")

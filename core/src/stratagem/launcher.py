@@ -91,7 +91,11 @@ def _quiet_agent() -> Iterator[None]:
 
 
 def _rendezvous(
-    nnodes: int | str, node_rank: int | None, rdzv_endpoint: str | None, run_id: str | None
+    nnodes: int | str,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    run_id: str | None,
+    rdzv_configs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """How the agents of a run find each other: one node alone, a fixed node rank, or c10d (elastic)."""
     min_nodes, max_nodes = parse_nnodes(nnodes)
@@ -106,6 +110,7 @@ def _rendezvous(
         backend, endpoint, configs = "static", rdzv_endpoint, {"rank": node_rank}
     else:
         backend, endpoint, configs = "c10d", rdzv_endpoint, {}
+    configs = {**configs, **(rdzv_configs or {})}
     return dict(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -143,13 +148,14 @@ def _run(
     rdzv_endpoint: str | None,
     run_id: str | None,
     max_restarts: int = 0,
+    rdzv_configs: Mapping[str, Any] | None = None,
 ) -> dict[int, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from stratagem import _agent
 
     check_max_restarts(max_restarts)
-    rendezvous = _rendezvous(nnodes, node_rank, rdzv_endpoint, run_id)
+    rendezvous = _rendezvous(nnodes, node_rank, rdzv_endpoint, run_id, rdzv_configs)
     with tempfile.TemporaryDirectory(prefix="stratagem-agent-") as scratch:
         restart_log = Path(scratch) / "restarts.jsonl"
         restart_log.touch()
@@ -230,6 +236,7 @@ def launch_script(
     rdzv_endpoint: str | None = None,
     env: Mapping[str, str] | None = None,
     max_restarts: int = 0,
+    rdzv_configs: Mapping[str, Any] | None = None,
 ) -> None:
     """Run ``command`` (an executable and its arguments) in every worker and wait for all of them."""
     _run(
@@ -242,6 +249,7 @@ def launch_script(
         rdzv_endpoint=rdzv_endpoint,
         run_id=None,
         max_restarts=max_restarts,
+        rdzv_configs=rdzv_configs,
     )
 
 

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from stratagem import _rerun, launcher
@@ -19,7 +20,7 @@ from stratagem._optimizers import Scheduler, parse_optimizers
 from stratagem._options import TrainerOptions
 from stratagem._progress import ProgressBar, format_metrics
 from stratagem._recovery import Recovery
-from stratagem._resume import Position, start_epoch
+from stratagem._resume import Position, continue_at_world_size, start_epoch
 from stratagem._run_dir import CHECKPOINT_DIR, checkpoint_name, find_last_checkpoint, prune, publish_last
 from stratagem._watchdog import collective_timeout
 from stratagem.checkpoint import PerRank
@@ -236,6 +237,10 @@ class Trainer:
             rng=PerRank(capture_rng()),
             epoch_rng=PerRank(self._epoch_rng),
             extras=extras,
+            topology={
+                "world_size": self.engine.world_size,
+                "accumulate_grad_batches": self.options.accumulate_grad_batches,
+            },
         )
         self.engine.save(path, state, format=format or self.checkpoint_format)
         self._last_saved_step = self.position.step
@@ -394,6 +399,16 @@ class Trainer:
             )
         self.position = Position(**{k: int(v) for k, v in progress.items()})
         self._resume = {"rng": rest.get("rng"), "epoch_rng": rest.get("epoch_rng")}
+        topology = rest.get("topology")
+        if isinstance(topology, dict) and topology.get("world_size") != self.engine.world_size:
+            accumulate, message = continue_at_world_size(
+                self.position,
+                saved_world_size=int(topology["world_size"]),
+                saved_accumulate=int(topology.get("accumulate_grad_batches", 1)),
+                world_size=self.engine.world_size,
+            )
+            self.options = attrs.evolve(self.options, accumulate_grad_batches=accumulate)
+            self.print(message)
         assert self.module is not None
         self.module.on_load_checkpoint(dict(rest.get("extras") or {}))
         self._last_saved_step = self.position.step

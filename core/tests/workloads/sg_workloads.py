@@ -213,6 +213,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "checkpoint)",
     )
     p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
     p.add_argument("--ckpt-minutes", type=float, default=None)
     p.add_argument("--restart-from-scratch", action="store_true")
     return p.parse_args(argv)
@@ -245,6 +246,8 @@ def main(argv: list[str]) -> None:
         module = Regression(dropout=args.dropout, optimizer=args.optimizer, scheduler=args.scheduler)
         if args.fail is not None:
             module.training_step = _failing(module.training_step, trainer, args)  # type: ignore[method-assign]
+        if args.step_sleep:
+            module.training_step = _slowed(module.training_step, args.step_sleep)  # type: ignore[method-assign]
         if args.faults:
             module.training_step = _scheduled_faults(module.training_step, trainer, args.faults)  # type: ignore[method-assign]
         loader = DataLoader(data, batch_size=args.batch, shuffle=args.shuffle)
@@ -261,6 +264,14 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if args.out:
         torch.save(results, f"{args.out}.rank{rank}")
+
+
+def _slowed(step: Any, seconds: float) -> Any:
+    def training_step(batch: Any, batch_idx: int) -> Any:
+        time.sleep(seconds)
+        return step(batch, batch_idx)
+
+    return training_step
 
 
 def _scheduled_faults(step: Any, trainer: sg.Trainer, faults: str) -> Any:
