@@ -10,13 +10,14 @@ work it cost. Everything else is the agent's own behaviour.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from stratagem._failures import describe
-from stratagem._restarts import RESTART_LOG_ENV
+from stratagem._restarts import RESTART_COUNT_ENV, RESTART_LOG_ENV
 
 __all__ = ["RESTART_LOG_ENV", "run_agent"]
 
@@ -31,6 +32,13 @@ def _agent_class() -> type:
         def __init__(self, *args: Any, restart_log: Path, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.restart_log = restart_log
+
+        def _restart_workers(self, worker_group: Any) -> None:
+            # Restarts for a failure and for a node joining alike: the new workers must resume either way,
+            # and torch counts only the first kind in TORCHELASTIC_RESTART_COUNT.
+            self.restarts_done = getattr(self, "restarts_done", 0) + 1
+            os.environ[RESTART_COUNT_ENV] = str(self.restarts_done)
+            super()._restart_workers(worker_group)
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)

@@ -42,7 +42,13 @@ class Recovery:
 
     # resuming --------------------------------------------------------------------------------------------
     def ckpt_path(self, requested: Any) -> Any:
-        """The checkpoint to start from: the newest complete one of this run after a restart."""
+        """The checkpoint to start from: the newest complete one of this run after a restart.
+
+        Decided together: a node that joins a running group starts its first attempt, while the others
+        restart; all must resume.
+        """
+        if self.engine.world_size > 1:
+            self.restarted = bool(self.engine.all_reduce(torch.tensor(float(self.restarted)), "max").item())
         return "last" if self.restarted else requested
 
     def resumed(self, step: int) -> str | None:

@@ -286,9 +286,17 @@ def _scheduled_faults(step: Any, trainer: sg.Trainer, faults: str) -> Any:
         if how == "save-kill":
             _die_before_publishing(f"step-{at:06d}")
 
+    marks = os.environ.get("SG_TIME_MARKS")  # a directory: when the kill came, when training went on
+    resumed = [attempt == 0]
+
     def training_step(batch: Any, batch_idx: int) -> Any:
+        if marks and not resumed[0] and trainer.engine.rank == 0:
+            resumed[0] = True
+            Path(marks, f"resumed-{attempt}").write_text(repr(time.time()))
         for at, how in mine:
             if trainer.global_step == at:
+                if marks:
+                    Path(marks, f"failed-{attempt}").write_text(repr(time.time()))
                 if how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 if how == "raise":
