@@ -124,6 +124,10 @@ def train(
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt = engine.setup(model, opt)
     out: dict[str, Any] = {"units": units(model), "norms": [], "sharded_after_forward": None}
+    mesh = getattr(engine.strategy, "device_mesh", None)
+    if mesh is not None:
+        out["mesh"] = (tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()))
+        out["placements"] = [str(p) for p in next(iter(model.parameters())).placements]
     for step in range(steps):
         for micro in range(accumulate):
             x, y = local_batch(step, micro, rank, world)
@@ -172,6 +176,10 @@ def two_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"registered": engine.strategy.registered_name, "world": engine.world_size}
     blocks = {Block}
     out["full_shard"] = train(FSDPStrategy(auto_wrap_policy=blocks), clip=MAX_NORM, probe_after_forward=True)
+    from stratagem_fsdp import strategy as strategy_module
+
+    out["hsdp"] = train("hsdp", clip=MAX_NORM)
+    out["hsdp"]["messages"] = sorted(strategy_module._warned)
     out["shard_grad_op"] = train(
         FSDPStrategy(auto_wrap_policy=blocks, sharding_strategy="SHARD_GRAD_OP"), probe_after_forward=True
     )

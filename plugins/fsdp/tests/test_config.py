@@ -182,7 +182,8 @@ def cluster(world: int, nodes: int = 1) -> ClusterEnvironment:
         ({"sharding_strategy": "SHARD_GRAD_OP"}, 4, 1, (4,), False, False),
         ({"sharding_strategy": "NO_SHARD"}, 4, 1, (4, 1), False, False),
         ({"sharding_strategy": "HYBRID_SHARD"}, 16, 2, (2, 8), True, None),
-        ({"sharding_strategy": "HYBRID_SHARD"}, 8, 1, (2, 4), True, None),
+        ({"sharding_strategy": "HYBRID_SHARD"}, 8, 1, (1, 8), True, None),
+        ({"sharding_strategy": "HYBRID_SHARD"}, 2, 1, (1, 2), True, None),
         ({"sharding_strategy": "HYBRID_SHARD", "replicate_size": 4}, 8, 1, (4, 2), True, None),
         ({"sharding_strategy": "HYBRID_SHARD", "shard_size": 8}, 8, 1, (1, 8), True, None),
         ({"sharding_strategy": "_HYBRID_SHARD_ZERO2"}, 16, 2, (2, 8), False, False),
@@ -198,8 +199,8 @@ def test_plan(options: dict, world: int, nodes: int, shape: tuple, unit: object,
 def test_hybrid_sizes_that_do_not_fit_are_refused() -> None:
     with pytest.raises(ConfigurationError, match="must equal the world size 8"):
         plan(FSDPConfig(sharding_strategy="HYBRID_SHARD", replicate_size=3), cluster(8))
-    with pytest.raises(ConfigurationError, match="no replicate and shard dimension"):
-        plan(FSDPConfig(sharding_strategy="HYBRID_SHARD"), cluster(2))
+    with pytest.raises(ConfigurationError, match="must equal the world size 4"):
+        plan(FSDPConfig(sharding_strategy="HYBRID_SHARD", replicate_size=2, shard_size=3), cluster(4))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -215,7 +216,7 @@ def test_registered_names_and_capabilities() -> None:
         info = registry.get(name)
         assert info.capabilities.checkpoint_formats == {"full", "sharded"}
         assert {"32-true", "bf16-mixed", "bf16-true", "16-mixed"} <= info.capabilities.precisions
-    assert registry.get("hsdp").capabilities.min_world_size == 4
+    assert registry.get("hsdp").capabilities.min_world_size == 1  # one node: a 1 x N mesh
     assert registry.get("fsdp").capabilities.min_world_size == 1
     assert registry.get("fsdp_cpu_offload").create().config.cpu_offload is True
     assert registry.get("hsdp").create().config.sharding_strategy == "HYBRID_SHARD"

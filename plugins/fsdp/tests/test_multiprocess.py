@@ -35,8 +35,12 @@ def run2(workdir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def run4(run2: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    # After run2: it loads the sharded checkpoint run2 wrote.
-    return sg.Engine(strategy="hsdp", accelerator="cpu", devices=4).launch(
+    # After run2: it loads the sharded checkpoint run2 wrote. One node is one replica by default; two
+    # replicas are asked for, so that both mesh dimensions are real.
+    from stratagem_fsdp import FSDPStrategy
+
+    hybrid = FSDPStrategy(sharding_strategy="HYBRID_SHARD", replicate_size=2)
+    return sg.Engine(strategy=hybrid, accelerator="cpu", devices=4).launch(
         w.four_process_checks, str(workdir)
     )
 
@@ -272,12 +276,21 @@ def test_consolidated_sharded_checkpoint_equals_the_full_one(run2: dict, workdir
 # -------------------------------------------------------------------------------------------------
 
 
-def test_hsdp_uses_a_two_by_two_mesh_on_one_node(run4: dict) -> None:
-    assert run4["registered"] == "hsdp" and run4["world"] == 4
+def test_hsdp_with_two_replicas_uses_a_two_by_two_mesh(run4: dict) -> None:
+    assert run4["world"] == 4
     assert run4["mesh"] == ((2, 2), ("replicate", "shard"))
     assert run4["placements"] == ["R", "S(0)"]  # replicated across the replicas, sharded within
-    assert any("2 replicas of 2 shards" in m for m in run4["messages"])
     assert run4["replicas_equal"] is True
+
+
+def test_hsdp_by_name_on_one_node_is_one_replica_of_two_shards(run2: dict) -> None:
+    hsdp = run2["hsdp"]
+    assert hsdp["mesh"] == ((1, 2), ("replicate", "shard"))
+    assert hsdp["placements"] == ["R", "S(0)"]
+    assert any("1 replica of 2 shards" in m for m in hsdp["messages"])
+    expected = w.reference(clip=w.MAX_NORM)
+    assert w.max_diff(hsdp["params"], expected["params"]) < 1e-5
+    assert hsdp["norms"] == pytest.approx(expected["norms"], rel=1e-5)
 
 
 def test_hsdp_matches_reference_with_global_norm_clipping(run4: dict) -> None:

@@ -69,21 +69,13 @@ def hybrid_sizes(config: FSDPConfig, cluster: ClusterEnvironment) -> tuple[int, 
     replicas, shards = config.replicate_size, config.shard_size
     note = None
     if replicas is None and shards is None:
-        if cluster.num_nodes > 1:
-            replicas, shards = cluster.num_nodes, world // cluster.num_nodes
-        elif world >= 4 and world % 2 == 0:
-            # One node has no node boundary to follow; sharding over all of it would be FULL_SHARD under
-            # another name. Two replicas keep both dimensions real.
-            replicas, shards = 2, world // 2
+        # Shard within a node, replicate across nodes. One node is one replica: the mesh is 1 x N, which
+        # trains like FULL_SHARD and keeps the 2-D layout (and its checkpoints) of a multi-node run.
+        replicas, shards = cluster.num_nodes, world // cluster.num_nodes
+        if cluster.num_nodes == 1:
             note = (
-                f"HYBRID_SHARD on one node: {world} processes form 2 replicas of {shards} shards each. "
-                "Pass FSDPStrategy(sharding_strategy='HYBRID_SHARD', replicate_size=R) to choose."
-            )
-        else:
-            raise ConfigurationError(
-                f"HYBRID_SHARD with {world} process(es) on one node: there is no replicate and shard dimension "
-                "of size > 1 each. Use an even world size >= 4, pass replicate_size/shard_size, or use "
-                "FULL_SHARD."
+                f"HYBRID_SHARD on one node: 1 replica of {shards} shards (a 1 x {shards} mesh). Pass "
+                "FSDPStrategy(sharding_strategy='HYBRID_SHARD', replicate_size=R) for R replicas."
             )
     elif replicas is None:
         replicas = world // shards if shards and world % shards == 0 else None

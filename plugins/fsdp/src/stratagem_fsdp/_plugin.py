@@ -8,11 +8,10 @@ from stratagem import hookimpl
 from stratagem.capabilities import Capabilities
 
 _FACTORY = "stratagem_fsdp.strategy:FSDPStrategy"
+
+
 #: HYBRID_SHARD is a 2D mesh (replicate x shard); with fewer than 2 x 2 processes one of its dimensions is 1
 #: and it degenerates into FULL_SHARD or NO_SHARD, which have names of their own.
-HSDP_MIN_WORLD_SIZE = 4
-
-
 def _capabilities(min_world_size: int = 1) -> Capabilities:
     return Capabilities(
         accelerators={"cpu", "cuda"},
@@ -42,7 +41,7 @@ def register_strategies(register: Callable[..., None]) -> None:
     register(
         "hsdp",
         _FACTORY,
-        description="FSDP2 HYBRID_SHARD: sharded within a node, replicated across nodes (2D mesh)",
-        capabilities=_capabilities(HSDP_MIN_WORLD_SIZE),
+        description="FSDP2 HYBRID_SHARD: sharded within a node, replicated across nodes (2D mesh; 1 x N on one node)",
+        capabilities=_capabilities(),
         sharding_strategy="HYBRID_SHARD",
     )
