@@ -115,3 +115,110 @@ def load_full(engine: Any, path: str) -> dict[str, Any]:
         "optim": strategy.optimizer_state_dict(model, getattr(opt, "optimizer", opt), full=True),
         "rest": rest,
     }
+
+
+# -------------------------------------------------------------------------------------------------
+# a small pre-norm transformer under plain AdamW, no clipping: stages 1, 2 and 3 against one process
+# -------------------------------------------------------------------------------------------------
+
+VOCAB, WIDTH, SEQ = 32, 32, 16
+TRANSFORMER_STEPS, GLOBAL_BATCH = 10, 8
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(WIDTH), torch.nn.LayerNorm(WIDTH)
+        self.attn = torch.nn.MultiheadAttention(WIDTH, 2, bias=True, batch_first=True)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(torch.nn.Module):
+    """Embedding, two pre-norm blocks (attention and MLP, with biases), a final LayerNorm, an untied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.ln_f = torch.nn.LayerNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
+
+
+def tokens() -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(0, VOCAB, (TRANSFORMER_STEPS * GLOBAL_BATCH, SEQ + 1), generator=g)
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Summed over the positions of a sequence, averaged over sequences: gradient norms well above 1."""
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1), reduction="sum") / len(batch)
+
+
+def transformer_reference() -> dict[str, torch.Tensor]:
+    return _transformer_reference()[0]
+
+
+def transformer_reference_norms() -> list[float]:
+    return _transformer_reference()[1]
+
+
+def _transformer_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = adamw(model.parameters())
+    data = tokens()
+    norms = []
+    for step in range(TRANSFORMER_STEPS):
+        lm_loss(model, data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]).backward()
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def transformer_runs(engine: Any, names: list[str], workdir: str) -> dict[str, Any]:
+    """Train the transformer under each named strategy in these processes; each run's parameters come back
+    through a full checkpoint (the strategy's own save hook), read by rank 0."""
+    import stratagem as sg
+
+    rank, world = engine.rank, engine.world_size
+    per_rank = GLOBAL_BATCH // world
+    data = tokens()
+    out: dict[str, Any] = {}
+    for name in names:
+        run = sg.Engine(strategy=name, accelerator="cpu", devices=world)
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        model, opt = run.setup(model, adamw(model.parameters()))
+        for step in range(TRANSFORMER_STEPS):
+            batch = data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH][
+                rank * per_rank : (rank + 1) * per_rank
+            ]
+            run.backward(lm_loss(model, batch), model)
+            opt.step()
+            opt.zero_grad()
+        path = f"{workdir}/{name}.ckpt"
+        run.save(path, {"model": model, "optimizer": opt}, format="full")
+        run.barrier("saved")
+        if rank == 0:
+            out[name] = torch.load(path, weights_only=True)["model"]["model"]
+    return out

@@ -198,6 +198,10 @@ class DeepSpeedConfig:
         config.setdefault("wall_clock_breakdown", False)
         # The user's optimizer is used as given; DeepSpeed would otherwise refuse optimizers it has not
         # tested with ZeRO, and torch.optim optimizers with offload (it prefers its own compiled CPU Adam).
+        # DeepSpeed clips the gradient norm at 1.0 when the config names no `gradient_clipping` (its
+        # GRADIENT_CLIPPING_DEFAULT): a silent change to the user's optimization that no other strategy makes.
+        # Clipping happens when asked (clip_gradients, the Trainer's gradient_clip_val), or by the user's config.
+        config.setdefault("gradient_clipping", 0.0)
         config.setdefault("zero_allow_untested_optimizer", True)
         config.setdefault("zero_force_ds_cpu_optimizer", False)
         key = _precision_key(precision)

@@ -1,0 +1,99 @@
+"""Two models as users write them, trained by the Trainer under the strategy on the command line; each
+ends with a full checkpoint that the tests compare with the one-process run.
+
+- ``net``: the README's example, whose ``training_step`` calls ``self.net(x)`` (never ``self(x)``).
+- ``gpt``: a Hugging Face ``GPT2LMHeadModel`` from a tiny config (no download), held as ``self.gpt`` and
+  called from ``training_step``; its embeddings and head sit at the root, outside any block.
+
+    python user_models_script.py --strategy fsdp --devices 2 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import stratagem as sg
+
+STEPS = 5
+PER_RANK_BATCH = 4
+
+
+class LM(sg.Module):
+    """The README's "For users" model."""
+
+    def configure_model(self):
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class TinyGPT(sg.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        self.gpt = GPT2LMHeadModel(config)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.gpt(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+def data(kind: str) -> TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    n = 8 * STEPS * PER_RANK_BATCH
+    if kind == "net":
+        x = torch.randn(n, 32, generator=g)
+        return TensorDataset(x, torch.sin(x))
+    return TensorDataset(torch.randint(0, 64, (n, 16), generator=g))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.use_deterministic_algorithms(True)
+    batch = PER_RANK_BATCH * (2 if args.devices == 1 else 1)  # the one-process run takes the global batch
+    for kind, build in (("net", LM), ("gpt", TinyGPT)):
+        torch.manual_seed(0)
+        trainer = sg.Trainer(
+            strategy=args.strategy,
+            accelerator="cpu",
+            devices=args.devices,
+            max_steps=STEPS,
+            default_root_dir=Path(args.out) / kind,
+            enable_progress_bar=False,
+            seed=0,
+        )
+        trainer.fit(build(), DataLoader(data(kind), batch_size=batch))
+        trainer.save_checkpoint(Path(args.out) / f"{kind}.ckpt", format="full")
+
+
+if __name__ == "__main__":
+    main()
