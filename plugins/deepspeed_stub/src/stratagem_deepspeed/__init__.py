@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = ["CONFIG_ENV", "DeepSpeedConfig", "DeepSpeedStrategy", "consolidate"]
 
-#: The environment variable naming a DeepSpeed JSON config when the strategy is given none.
-CONFIG_ENV = "STRATAGEM_DEEPSPEED_CONFIG"
+from stratagem_deepspeed._config import CONFIG_ENV
 
 if TYPE_CHECKING:
     from stratagem_deepspeed._checkpoint import consolidate

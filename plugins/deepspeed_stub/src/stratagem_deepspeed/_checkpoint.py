@@ -46,7 +46,7 @@ def is_deepspeed_checkpoint(path: str | Path) -> bool:
 
 def _engines(state_parts: Any) -> dict[str, tuple[Any, str | None]]:
     """``{module key: (engine, optimizer key or None)}`` for the modules of ``state``."""
-    from stratagem_deepspeed.strategy import _optimizer_engine, _wrapper
+    from stratagem_deepspeed._wrappers import _optimizer_engine, _wrapper
 
     engines: dict[str, tuple[Any, str | None]] = {}
     for key, module in state_parts.modules.items():

@@ -19,6 +19,9 @@ import attrs
 
 from stratagem.errors import ConfigurationError
 
+#: The environment variable naming a DeepSpeed JSON config when the strategy is given none.
+CONFIG_ENV = "STRATAGEM_DEEPSPEED_CONFIG"
+
 #: The stages DeepSpeed's ZeRO offers; 0 is plain data parallelism through DeepSpeed's engine.
 STAGES = (0, 1, 2, 3)
 #: Keys of a user's config that stratagem drives itself; a config that sets them otherwise is refused.
