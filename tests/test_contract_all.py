@@ -7,6 +7,7 @@ strategy. A skipped check must name the capability that excludes it; anything el
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from stratagem import get_registry
+from stratagem.testing._checks import skipped_declaration
 
 PACKAGES = ("stratagem-ddp", "stratagem-fsdp", "stratagem-deepspeed")
 NAMES = sorted(info.name for info in get_registry() if info.plugin.distribution in PACKAGES)
@@ -40,10 +42,18 @@ def test_certified(name: str, tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stdout[-6000:] + completed.stderr[-3000:]
     cases = list(ET.parse(junit).getroot().iter("testcase"))
     assert cases, "the suite ran no check"
+    caps = get_registry().get(name).capabilities
+    declared = {
+        "checkpoint_formats": caps.checkpoint_formats,
+        "precisions": caps.precisions,
+        "accelerators": caps.accelerators,
+    }
     for case in cases:
         skipped = case.find("skipped")
         if skipped is not None:
             reason = skipped.get("message", "")
-            assert "declare" in reason, (
-                f"{case.get('name')} skipped for a reason no declaration gives: {reason}"
-            )
+            found = skipped_declaration(reason)
+            assert found is not None, f"{case.get('name')} skipped for a reason no declaration gives: {reason}"
+            capability, value = found
+            # The declaration it names really lacks that value.
+            assert capability in declared and ast.literal_eval(value) not in declared[capability], reason

@@ -3,11 +3,35 @@ and what came back; :func:`fail_on` turns them into one test failure."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, NoReturn
 
 import pytest
 
 _PHASES = {1: "phase one (collectives, training, saving)", 2: "phase two (loading and resuming)"}
+
+
+#: A skip's reason starts with the declaration that excludes the check: ``undeclared <name>=<value>: ...``.
+_SKIP_REASON = re.compile(r"^undeclared (?P<name>[a-z_]+)=(?P<value>.+?): ")
+#: The declarations a skip may name: the capability fields and the strategy's contract declarations.
+DECLARATIONS = frozenset(
+    {"accelerators", "precisions", "checkpoint_formats", "requires", "contract_tolerance"}
+)
+
+
+def skip_undeclared(name: str, value: Any, explanation: str) -> NoReturn:
+    """Skip a check that the strategy's declaration ``name`` does not promise (``value`` is what it lacks)."""
+    if name not in DECLARATIONS:
+        raise ValueError(f"skip_undeclared({name!r}): not one of {sorted(DECLARATIONS)}")
+    pytest.skip(f"undeclared {name}={value!r}: {explanation}")
+
+
+def skipped_declaration(reason: str) -> tuple[str, str] | None:
+    """``(name, value)`` of the declaration a skip reason names, or ``None`` if it names none."""
+    match = _SKIP_REASON.match(reason.removeprefix("Skipped: "))
+    if match is None or match["name"] not in DECLARATIONS:
+        return None
+    return match["name"], match["value"]
 
 
 def fail_on(problems: list[str], header: str) -> None:

@@ -59,6 +59,27 @@ class ContractModel(nn.Module):
         return self.head(self.norm(x))
 
 
+class StepModule(ContractModel, stratagem.Module):
+    """The same model trained by the Trainer, written as most users write one: the step calls the submodules
+    directly, so a strategy that shards in place must still gather the root's own parameters (the embedding,
+    the final norm, the head) around it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return loss_fn(self.head(self.norm(x)), targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE)
+
+
+def build_step_module(seed: int = MODEL_SEED) -> StepModule:
+    torch.manual_seed(seed)
+    return StepModule()
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 

@@ -2,13 +2,15 @@
 
 Two launches per strategy, each a real multi-process run started by torch's elastic agent:
 
-- phase one: collectives, training from step 0 with a checkpoint in every declared format after
-  ``STEPS_BEFORE_SAVE`` steps, then the remaining steps (the straight run), teardown;
+- phase one: collectives; training from step 0 (``STEPS_BEFORE_SAVE`` steps); a checkpoint in every declared
+  format; the remaining steps (the straight run); the same training through the Trainer; teardown;
 - phase two, in new processes: load each checkpoint into a freshly built model and resume; load a full
   checkpoint written by ``single_device``; teardown.
 
 Each section records an error instead of raising, so one broken operation fails its own checks only. The
-results (plain tensors and builtins) go back to the pytest process, which asserts on them.
+strategy is observed as a user sees it, through the module's parameters and the checkpoints its own save hook
+writes (read back with ``torch.load(weights_only=True)``), never through its helper methods. The results
+(plain tensors and builtins) go back to the pytest process, which asserts on them.
 """
 
 from __future__ import annotations
@@ -46,16 +48,37 @@ def _clean_optimizer(state: dict[str, Any]) -> dict[str, Any]:
     return cleaned
 
 
-def full_state(engine: Any, model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
-    """The gathered model and optimizer state (collective: every rank calls it; rank 0 keeps it)."""
-    strategy = engine.strategy
-    params = strategy.module_state_dict(model, full=True)
-    optim = strategy.optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), full=True)
+# The suite observes a strategy only as users do: the module's public API, and checkpoints written by the
+# strategy's own save hook, read back weights-only. Never its helper methods.
+
+
+def observed_params(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The parameters as ``named_parameters()`` shows them, gathered whole (a ``DTensor``'s full tensor).
+
+    Collective for sharded parameters: every rank calls it. ``None`` when the module does not show its
+    parameters (a strategy that partitions them in place, as ZeRO-3 does); the checks then read them from a
+    full checkpoint the strategy writes.
+    """
+    out = {}
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        if tensor.numel() == 0:
+            return None
+        out[_clean_name(name)] = tensor.detach().cpu().clone()
+    return out
+
+
+def saved_full(engine: Any, state: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """Save ``state`` through the strategy's hook in the full format and read the file back weights-only:
+    ``{"params", "optimizer"}`` on rank 0, ``None`` elsewhere."""
+    engine.save(path, state, format="full")
+    engine.barrier("stratagem-contract-saved")
     if engine.rank != 0:
         return None
+    payload = torch.load(path, weights_only=True)
     return {
-        "params": {_clean_name(k): v for k, v in m.plain_state(dict(params)).items()},
-        "optimizer": _clean_optimizer(m.plain_state(dict(optim))),
+        "params": {_clean_name(k): v for k, v in payload["model"]["model"].items()},
+        "optimizer": _clean_optimizer(payload["optimizers"]["optimizer"]),
     }
 
 
@@ -128,20 +151,35 @@ def collectives(engine: Any) -> dict[str, Any]:
     return out
 
 
+#: The live training objects, kept from one section of a phase to the next.
+_live: dict[str, Any] = {}
+
+
+def _has_full(spec: dict[str, Any]) -> bool:
+    return "full" in spec["formats"]
+
+
 def straight_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """Training alone: ``STEPS_BEFORE_SAVE`` steps and the parameters then (saving is the next section)."""
     model, optimizer = build(engine, m.MODEL_SEED)
     data = batches(engine)
+    _live.update(model=model, optimizer=optimizer, data=data)
     losses, norms = train(engine, model, optimizer, data, 0, m.STEPS_BEFORE_SAVE)
-    torch.manual_seed(1000 + engine.rank)
-    rng = torch.get_rng_state()
+    return {"losses": losses, "norms": norms, "params": observed_params(model)}
+
+
+def saving(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint in every declared format; the full one, read back, is what the round trip compares."""
     from stratagem.checkpoint import PerRank
 
+    torch.manual_seed(1000 + engine.rank)
+    rng = torch.get_rng_state()
     saved, save_errors = {}, {}
     for fmt in spec["formats"]:
         path = checkpoint_path(spec["workdir"], fmt)
         state = {
-            "model": model,
-            "optimizer": optimizer,
+            "model": _live["model"],
+            "optimizer": _live["optimizer"],
             "step": m.STEPS_BEFORE_SAVE,
             "rng": PerRank(rng),
             "note": "stratagem contract",
@@ -152,44 +190,89 @@ def straight_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
             saved[fmt] = path
         except Exception:
             save_errors[fmt] = traceback.format_exc()
-    at_save = full_state(engine, model, optimizer)
-    more_losses, more_norms = train(engine, model, optimizer, data, m.STEPS_BEFORE_SAVE, m.STEPS_AFTER_SAVE)
-    return {
-        "losses": losses + more_losses,
-        "norms": norms + more_norms,
-        "rng": rng,
-        "saved": saved,
-        "save_errors": save_errors,
-        "at_save": at_save,
-        "final": full_state(engine, model, optimizer),
-    }
+    at_save = None
+    if "full" in saved and engine.rank == 0:
+        payload = torch.load(saved["full"], weights_only=True)
+        at_save = {
+            "params": {_clean_name(k): v for k, v in payload["model"]["model"].items()},
+            "optimizer": _clean_optimizer(payload["optimizers"]["optimizer"]),
+        }
+    return {"rng": rng, "saved": saved, "save_errors": save_errors, "at_save": at_save}
 
 
-def _load(engine: Any, path: str) -> tuple[torch.nn.Module, Any, dict[str, Any], dict[str, Any] | None]:
+def continued(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The remaining steps of the straight run, whatever the saving did."""
+    model, optimizer, data = _live["model"], _live["optimizer"], _live["data"]
+    losses, norms = train(engine, model, optimizer, data, m.STEPS_BEFORE_SAVE, m.STEPS_AFTER_SAVE)
+    return {"losses": losses, "norms": norms, "params": observed_params(model)}
+
+
+def final_state(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The straight run's end as a full checkpoint (the exact-resume check compares optimizer state)."""
+    path = str(Path(spec["workdir"]) / "straight-final.pt")
+    return {"": saved_full(engine, {"model": _live["model"], "optimizer": _live["optimizer"]}, path)}
+
+
+def _load(engine: Any, path: str, spec: dict[str, Any], tag: str) -> dict[str, Any]:
     model, optimizer = build(engine, FRESH_SEED)
     rest = engine.load(path, {"model": model, "optimizer": optimizer})
-    return model, optimizer, m.plain_state(dict(rest)), full_state(engine, model, optimizer)
+    out: dict[str, Any] = {"remainder": m.plain_state(dict(rest)), "params": observed_params(model)}
+    if _has_full(spec):
+        out["loaded"] = saved_full(
+            engine, {"model": model, "optimizer": optimizer}, f"{path}.{tag}.reloaded.pt"
+        )
+    _live.update(model=model, optimizer=optimizer)
+    return out
 
 
 def resume(engine: Any, spec: dict[str, Any], fmt: str) -> dict[str, Any]:
     path = checkpoint_path(spec["workdir"], fmt)
     if not Path(path).exists():
         raise FileNotFoundError(f"phase one left no {fmt} checkpoint at {path} (its save failed)")
-    model, optimizer, rest, loaded = _load(engine, path)
-    start = int(rest.get("step", 0))
-    losses, norms = train(engine, model, optimizer, batches(engine), start, m.STEPS_AFTER_SAVE)
-    return {
-        "remainder": rest,
-        "loaded": loaded,
-        "losses": losses,
-        "norms": norms,
-        "final": full_state(engine, model, optimizer),
-    }
+    out = _load(engine, path, spec, "resume")
+    model, optimizer = _live["model"], _live["optimizer"]
+    start = int(out["remainder"].get("step", 0))
+    out["losses"], out["norms"] = train(engine, model, optimizer, batches(engine), start, m.STEPS_AFTER_SAVE)
+    out["final_params"] = observed_params(model)
+    if _has_full(spec):
+        out["final"] = saved_full(engine, {"model": model, "optimizer": optimizer}, f"{path}.final.pt")
+    return out
 
 
 def load_single_device(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    _, _, rest, loaded = _load(engine, spec["single_device_checkpoint"])
-    return {"remainder": rest, "loaded": loaded}
+    return _load(engine, spec["single_device_checkpoint"], spec, "single")
+
+
+def trainer_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer around a model whose step calls its submodules directly (never ``self(x)``), with
+    parameters at the root outside any block: what most user models look like."""
+    from stratagem.trainer import Trainer
+
+    trainer = Trainer(
+        strategy=spec["strategy"],
+        accelerator="cpu",
+        devices=spec["world_size"],
+        precision=spec["precision"],
+        max_steps=m.STEPS_BEFORE_SAVE + m.STEPS_AFTER_SAVE,
+        accumulate_grad_batches=m.ACCUMULATE,
+        gradient_clip_val=m.MAX_NORM,
+        default_root_dir=str(Path(spec["workdir"]) / "trainer"),
+        enable_progress_bar=False,
+        use_distributed_sampler=True,
+    )
+    module = m.build_step_module()
+    loader = torch.utils.data.DataLoader(m.dataset(engine.world_size), batch_size=m.PER_RANK_BATCH)
+    trainer.fit(module, loader)
+    assert trainer.model is not None
+    out: dict[str, Any] = {"params": observed_params(trainer.model), "step": trainer.global_step}
+    if out["params"] is None and _has_full(spec):
+        path = str(Path(spec["workdir"]) / "trainer-final.pt")
+        trainer.save_checkpoint(path, format="full")
+        engine.barrier("stratagem-contract-trainer-saved")
+        if engine.rank == 0:
+            payload = torch.load(path, weights_only=True)
+            out["full"] = {"params": {_clean_name(k): v for k, v in payload["model"]["model"].items()}}
+    return out
 
 
 def _child_processes() -> list[str] | None:
@@ -243,7 +326,13 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["phase"] == 1:
         _section(result, "collectives", lambda: collectives(engine))
         if spec["train"]:
+            # Separate sections: a failure while saving fails the checkpoint checks, never training's.
             _section(result, "straight", lambda: straight_run(engine, spec))
+            _section(result, "saving", lambda: saving(engine, spec))
+            _section(result, "continued", lambda: continued(engine, spec))
+            if _has_full(spec):
+                _section(result, "final", lambda: final_state(engine, spec))
+            _section(result, "trainer", lambda: trainer_run(engine, spec))
     else:
         if spec["train"]:
             for fmt in spec["formats"]:

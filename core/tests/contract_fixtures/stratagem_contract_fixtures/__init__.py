@@ -38,3 +38,12 @@ _STRATEGIES = {
 def register_strategies(register: Callable[..., None]) -> None:
     for name, (cls, description) in _STRATEGIES.items():
         register(name, f"{__name__}.strategies:{cls}", description=description, capabilities=_CAPABILITIES)
+    # Written as a third party would, from the hook specs and docs/plugin-authors.md alone (zero_ddp.py).
+    register(
+        "contract_zero_ddp",
+        f"{__name__}.zero_ddp:ZeroDDP",
+        description="DDP with a ZeroRedundancyOptimizer; checkpoints customised through the hooks only",
+        capabilities=Capabilities(
+            accelerators={"cpu"}, precisions={"32-true"}, checkpoint_formats={"full"}, min_world_size=2
+        ),
+    )
