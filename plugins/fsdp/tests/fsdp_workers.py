@@ -88,6 +88,33 @@ def reference(steps: int = STEPS, accumulate: int = 1, clip: float | None = None
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
 
 
+def reference_bf16_mixed(steps: int = STEPS, world: int = 2) -> dict[str, Any]:
+    """bf16-mixed as the fsdp strategy computes it, in one process: each rank's half of the batch runs forward
+    (under the strategy's bfloat16 autocast) and backward on a bfloat16 copy of the float32 parameters (FSDP2's
+    param_dtype); the gradients are cast to float32 and averaged (the reduce dtype); AdamW steps the float32
+    parameters."""
+    import copy
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(steps):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(world):
+            low = copy.deepcopy(model).to(torch.bfloat16)
+            x, y = local_batch(step, 0, rank, world)
+            # The strategy's forward context: autocast to bfloat16 around forward and loss.
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(low(x.to(torch.bfloat16)).float(), y)
+            loss.backward()
+            for total, p in zip(grads, low.parameters()):
+                total += p.grad.float()
+        for p, total in zip(model.parameters(), grads):
+            p.grad = total / world
+        opt.step()
+        opt.zero_grad()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
     return max(float((a[k].detach().float() - b[k].detach().float()).abs().max()) for k in a)
@@ -128,6 +155,10 @@ def train(
     if mesh is not None:
         out["mesh"] = (tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()))
         out["placements"] = [str(p) for p in next(iter(model.parameters())).placements]
+        # Each parameter's local shape against its global one: equal when replicated, split when sharded.
+        out["local_vs_global"] = {
+            clean(n): (tuple(p.to_local().shape), tuple(p.shape)) for n, p in model.named_parameters()
+        }
     for step in range(steps):
         for micro in range(accumulate):
             x, y = local_batch(step, micro, rank, world)
