@@ -1,7 +1,9 @@
 """Crash safety at scale: SIGKILL a save at a random moment, 100 times per format, and load after each.
 
 Each trial forks a process that saves version N over version N-1 and kills it after a delay drawn uniformly
-from [0, 1.15 x the duration of a whole save]; the checkpoint must then load whole, as N-1 or N.
+from [0, 1.15 x the duration of a whole save]; the checkpoint must then load whole, as N-1 or N. A kill counts
+as "while writing" only if it landed before the publishing rename (the old version still loads, and data of
+the new one was on disk); a kill after it is counted apart.
 The trials themselves live in core/tests/ckpt_workers.py (the test runs 10 of them per format).
 
     /work/venv/bin/python benchmarks/checkpoint_crash.py [--trials 100] [--megabytes 64]
@@ -38,6 +40,7 @@ def main() -> int:
                 f"{r['save_ms']:.0f} ms",
                 r["killed_mid_save"],
                 r["killed_while_writing"],
+                r["killed_after_publishing"],
                 r["loaded_previous"],
                 r["loaded_new"],
                 len(r["errors"]),
@@ -53,7 +56,8 @@ def main() -> int:
                 "trials",
                 "save",
                 "killed mid-save",
-                "killed while writing",
+                "killed while writing (before publishing)",
+                "killed after publishing",
                 "loaded previous",
                 "loaded new",
                 "unloadable",

@@ -234,7 +234,8 @@ def crash_trials(directory: str, fmt: str, trials: int, megabytes: int, seed: in
         durations.append(time.perf_counter() - start)
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     duration = min(durations)
-    current, killed, with_temporary, outcomes, errors = 0, 0, 0, {"previous": 0, "new": 0}, []
+    current, killed, while_writing, after_publishing = 0, 0, 0, 0
+    outcomes, errors = {"previous": 0, "new": 0}, []
     for trial in range(1, trials + 1):
         _fill(model, float(trial))
         delay = rng.uniform(0.0, 1.15 * duration)
@@ -243,9 +244,9 @@ def crash_trials(directory: str, fmt: str, trials: int, megabytes: int, seed: in
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)  # a child that finished is a zombie until waited: the kill is a no-op
         _, status = os.waitpid(pid, 0)
-        killed += os.WIFSIGNALED(status)
-        # A temporary beside the checkpoint means the kill landed while data was being written.
-        with_temporary += bool({p.name for p in root.iterdir()} - before - {path.name})
+        was_killed = os.WIFSIGNALED(status)
+        killed += was_killed
+        left_temporary = bool({p.name for p in root.iterdir()} - before - {path.name})
         try:
             version = _version_of(engine, path, probe)
         except Exception as error:
@@ -256,8 +257,13 @@ def crash_trials(directory: str, fmt: str, trials: int, megabytes: int, seed: in
         if version == trial:
             outcomes["new"] += 1
             current = trial
+            # Killed after the publishing rename (a sharded save's swapped-out old directory may still sit
+            # under a temporary name): not a kill while writing.
+            after_publishing += was_killed
         elif version == current:
             outcomes["previous"] += 1
+            # Not published, and data on disk beside the checkpoint: the kill landed while writing.
+            while_writing += was_killed and left_temporary
         else:
             errors.append(f"trial {trial}: loaded version {version}, expected {current} or {trial}")
     # The next uninterrupted save cleans up what the killed ones left.
@@ -271,7 +277,8 @@ def crash_trials(directory: str, fmt: str, trials: int, megabytes: int, seed: in
         "megabytes": megabytes,
         "save_ms": round(duration * 1000, 1),
         "killed_mid_save": killed,
-        "killed_while_writing": with_temporary,
+        "killed_while_writing": while_writing,
+        "killed_after_publishing": after_publishing,
         "loaded_previous": outcomes["previous"],
         "loaded_new": outcomes["new"],
         "errors": errors,
