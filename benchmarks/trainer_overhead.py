@@ -7,7 +7,7 @@ starts (forward, backward, optimizer, data loading, and everything the loop does
 of every segment are dropped. Prints the median step of each loop and the ratio to the raw loop (target: at
 most 1.03), with Lightning's beside it when ``lightning`` is importable.
 
-    python benchmarks/trainer_overhead.py [--width 1024] [--depth 4] [--batch 96] [--steps 60] [--rounds 3]
+    python benchmarks/trainer_overhead.py [--width 1024] [--depth 4] [--batch 96] [--steps 60] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
+import os
 import statistics
 import time
 from typing import Any
@@ -135,9 +136,14 @@ def worker(engine: sg.Engine, args: argparse.Namespace, root: str) -> dict[str, 
         loops["lightning"] = lambda: lightning_loop(args, data, root)
     times: dict[str, list[float]] = {name: [] for name in loops}
     ratios: dict[str, list[float]] = {name: [] for name in loops}
-    for _ in range(args.rounds):
+    names = list(loops)
+    for round_ in range(args.rounds):
         medians = {}
-        for name, loop in loops.items():
+        # Each loop takes each place in the order in turn, so that a drift of the machine's load (or a cache
+        # warmed by the previous loop) falls on all of them alike.
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order:
+            loop = loops[name]
             engine.barrier(name)
             segment = loop()
             times[name] += segment
@@ -155,7 +161,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6, help="rounds (each loop first in 1/3 of them)")
     args = parser.parse_args()
     import tempfile
 
@@ -164,11 +170,18 @@ def main() -> None:
     result = engine.launch(worker, args, root)
     print(f"2 processes (gloo, CPU), MLP {args.depth}x{args.width}, batch {args.batch} per rank, ")
     print(f"{args.rounds} rounds of {args.steps} steps per loop (first {WARMUP} of each dropped)")
-    print(f"{'loop':<10} {'median step':>12} {'ratio to raw':>13} {'per-round ratios':>18}")
+    print(f"load average {os.getloadavg()[0]:.2f}; the loops take turns first (rotating order)")
+    print(
+        f"{'loop':<10} {'median step':>12} {'ratio to raw':>13} {'IQR of round ratios':>21}   per-round ratios"
+    )
     for name, values in result["times"].items():
-        ratio = statistics.median(result["ratios"][name])
-        rounds = " ".join(f"{r:.3f}" for r in result["ratios"][name])
-        print(f"{name:<10} {statistics.median(values) * 1e3:>9.1f} ms {ratio:>13.3f}   {rounds}")
+        per_round = result["ratios"][name]
+        ratio = statistics.median(per_round)
+        q1, _, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else (ratio, ratio, ratio)
+        rounds = " ".join(f"{r:.3f}" for r in per_round)
+        print(
+            f"{name:<10} {statistics.median(values) * 1e3:>9.1f} ms {ratio:>13.3f} {q1:>10.3f}-{q3:.3f}   {rounds}"
+        )
 
 
 if __name__ == "__main__":
