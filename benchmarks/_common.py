@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 
 def time_command(argv: Sequence[str], repeats: int, env: dict[str, str] | None = None) -> list[float]:
@@ -61,11 +62,24 @@ def paired_step_times(loops: dict, data: Sequence, warmup: int = 3) -> dict[str,
         for name in list(loops) if i % 2 == 0 else list(reversed(loops)):
             times[name].append(timed_step(loops[name], *batch))
     ratios = [ours / raw for raw, ours in zip(times["raw"], times["stratagem"])]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
     return {
         "raw": statistics.median(times["raw"]),
         "stratagem": statistics.median(times["stratagem"]),
         "ratio": statistics.median(ratios),
+        "ratio_iqr": (q1, q3),
+        "ratio_of_medians": statistics.median(times["stratagem"]) / statistics.median(times["raw"]),
     }
+
+
+def ratio_lines(result: dict[str, Any]) -> str:
+    """The ratio as the step benchmarks print it: paired median, its spread, and the ratio of the medians."""
+    q1, q3 = result["ratio_iqr"]
+    return (
+        f"ratio stratagem/raw:     {result['ratio']:8.3f}  (median of paired steps, IQR {q1:.3f}-{q3:.3f}; "
+        f"target <= 1.03)\n"
+        f"ratio of the medians:    {result['ratio_of_medians']:8.3f}  (the two loops' median steps divided)"
+    )
 
 
 def step_benchmark_arguments(doc: str, *, depth: int, steps: int):

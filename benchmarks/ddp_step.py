@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 import stratagem as sg
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import EngineLoop, paired_step_times, step_benchmark_arguments
+from _common import EngineLoop, paired_step_times, ratio_lines, step_benchmark_arguments
 
 
 def make_model(width: int, depth: int) -> torch.nn.Module:
@@ -68,7 +68,7 @@ def main() -> None:
     print(f"model: MLP width={args.width} depth={args.depth}, batch {args.batch} per rank, 2 processes, gloo")
     print(f"raw DistributedDataParallel: {result['raw'] * 1e3:8.2f} ms/step (median of {args.steps} steps)")
     print(f"stratagem ddp (Engine):      {result['stratagem'] * 1e3:8.2f} ms/step")
-    print(f"ratio stratagem/raw:         {result['ratio']:8.3f}  (median of paired steps; target <= 1.03)")
+    print(ratio_lines(result))
 
 
 if __name__ == "__main__":

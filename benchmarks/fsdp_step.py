@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 import stratagem as sg
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import EngineLoop, paired_step_times, step_benchmark_arguments
+from _common import EngineLoop, paired_step_times, ratio_lines, step_benchmark_arguments
 
 
 class Block(torch.nn.Module):
@@ -86,7 +86,7 @@ def main() -> None:
     )
     print(f"raw fully_shard loop:   {result['raw'] * 1e3:8.2f} ms/step (median of {args.steps} steps)")
     print(f"stratagem fsdp (Engine): {result['stratagem'] * 1e3:8.2f} ms/step")
-    print(f"ratio stratagem/raw:     {result['ratio']:8.3f}  (median of paired steps; target <= 1.03)")
+    print(ratio_lines(result))
 
 
 if __name__ == "__main__":
