@@ -146,3 +146,31 @@ def test_a_changed_world_size_keeps_the_global_batch_where_it_divides() -> None:
         "cannot be split over 3 ranks" in message
         and "1 per-rank batch(es) of this epoch are seen again" in message
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_torchrun_restarts_resume_too(tmp_path: Path) -> None:
+    """Under torchrun's own agent (its shared store keeps the failed attempt's keys), --max-restarts restarts
+    the group and the Trainer resumes by itself."""
+    reference, _ = _run(tmp_path / "reference", "--ckpt-every", "2")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    root = tmp_path / "torchrun"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [
+        "--max-restarts",
+        "1",
+        str(SCRIPT),
+        "--devices",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--optimizer",
+        "adamw",
+    ]
+    command += ["--shuffle", "--ckpt-every", "2", "--root", str(root), "--out", str(root / "out")]
+    command += ["--faults", "0:1:3:raise"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=250)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from step 2" in done.stdout, done.stdout[-2000:]
+    _assert_bit_equal(_params(root), _params(tmp_path / "reference"))

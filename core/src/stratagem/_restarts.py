@@ -91,10 +91,16 @@ def latest_restart(resumed_step: int) -> Restart:
     return Restart(
         attempt=attempt,
         rank=entry.get("rank"),
-        why=str(entry.get("why") or "a worker on another node failed"),
+        why=str(entry.get("why") or _unknown_failure()),
         reached_step=reached_step(),
         resumed_step=resumed_step,
     )
+
+
+def _unknown_failure() -> str:
+    if _log_path() is None:
+        return "a worker failed (the launcher keeps no record stratagem can read; see its log)"
+    return "a worker on another node failed"
 
 
 class ProgressNote:
