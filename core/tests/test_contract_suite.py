@@ -180,7 +180,7 @@ def test_every_hook_is_exercised(report: dict[str, tuple[str, str]]) -> None:
     from stratagem.testing._recorder import HookRecorder
 
     specs = {n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), f"{hookspecs.PROJECT_NAME}_spec")}
-    assert specs == STRATEGY_HOOKS | {"register_strategies"}
+    assert specs == STRATEGY_HOOKS | {"register_strategies", "register_launchers", "launch_workers"}
     recorded = {n.removeprefix("record_") for n in dir(HookRecorder) if n.startswith("record_")}
     assert recorded == STRATEGY_HOOKS
     for strategy in ("single_device", ZERO, *BROKEN):

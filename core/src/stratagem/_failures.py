@@ -55,7 +55,8 @@ def describe(failures: Mapping[int, Any]) -> WorkerFailedError:
     """The run's failure as stratagem reports it: the root failure's rank and its traceback or signal."""
     rank, failure = root_failure(failures)
     exitcode = failure.exitcode
-    if exitcode is not None and exitcode < 0:
+    # A worker that recorded its exception failed because of it, even if its exit then ended by a signal.
+    if exitcode is not None and exitcode < 0 and _failure_time(failure) is None:
         with contextlib.suppress(ValueError):
             detail = f"killed by signal {signal.Signals(-exitcode).name}"
             return WorkerFailedError(rank, exitcode, detail)

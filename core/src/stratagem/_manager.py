@@ -29,13 +29,21 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "stratagem"
 PLUGINS_ENV = "STRATAGEM_PLUGINS"
 BUILTIN_PLUGIN = "stratagem.strategies._builtin"
+BUILTIN_LAUNCHERS = "stratagem.launchers._builtin"
+#: Discovery hooks (every implementation runs) and the launcher's operation: not strategy operations.
+DISCOVERY_HOOKS = frozenset({"register_strategies", "register_launchers"})
+LAUNCHER_HOOKS = frozenset({"launch_workers"})
 
 #: Hooks whose plain implementation belongs to the chosen strategy alone.
-STRATEGY_HOOKS = frozenset(
-    name
-    for name in dir(hookspecs)
-    if not name.startswith("_") and hasattr(getattr(hookspecs, name), "stratagem_spec")
-) - {"register_strategies"}
+STRATEGY_HOOKS = (
+    frozenset(
+        name
+        for name in dir(hookspecs)
+        if not name.startswith("_") and hasattr(getattr(hookspecs, name), "stratagem_spec")
+    )
+    - DISCOVERY_HOOKS
+    - LAUNCHER_HOOKS
+)
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -78,9 +86,8 @@ def discover(environ: Mapping[str, str] | None = None) -> tuple[Registry, list[t
     modules: list[types.ModuleType] = []
     pm = new_plugin_manager()
     version = _own_version()
-    candidates: list[tuple[PluginInfo, Any]] = [
-        (PluginInfo(name="stratagem", distribution="stratagem", version=version), BUILTIN_PLUGIN)
-    ]
+    builtin = PluginInfo(name="stratagem", distribution="stratagem", version=version)
+    candidates: list[tuple[PluginInfo, Any]] = [(builtin, BUILTIN_PLUGIN), (builtin, BUILTIN_LAUNCHERS)]
     allowed = _allowed(env)
     for ep in _entry_points():
         if allowed is not None and ep.name not in allowed:
@@ -96,10 +103,13 @@ def discover(environ: Mapping[str, str] | None = None) -> tuple[Registry, list[t
         label = source if isinstance(source, str) else f"{source.name} = {source.value}"
         try:
             module = importlib.import_module(source) if isinstance(source, str) else source.load()
-            pm.register(module, name=info.name)
+            pm.register(module, name=f"{info.name}:{getattr(module, '__name__', label)}")
             for impl in pm.hook.register_strategies.get_hookimpls():
                 if impl.plugin is module:
                     impl.function(register=registry.registrar(info))
+            for impl in pm.hook.register_launchers.get_hookimpls():
+                if impl.plugin is module:
+                    impl.function(register=registry.launcher_registrar(info))
         except Exception as error:
             registry.broken.append(PluginLoadError(label, info.distribution, info.version, error))
             continue
@@ -220,3 +230,16 @@ class StrategyHooks:
     # teardown --------------------------------------------------------------------------------------
     def teardown(self) -> None:
         self._hook.teardown()
+
+
+class LauncherHooks:
+    """The typed call into the chosen launcher."""
+
+    def __init__(self, launcher: object) -> None:
+        self._pm = new_plugin_manager()
+        self._pm.register(launcher, name=f"launcher:{getattr(launcher, 'name', type(launcher).__name__)}")
+        self._hook = self._pm.hook
+
+    def launch_workers(self, job: Any) -> dict[int, Any]:
+        result = self._hook.launch_workers(job=job)
+        return {} if result is None else dict(result)

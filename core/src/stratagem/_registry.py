@@ -15,6 +15,7 @@ from stratagem.errors import (
     MissingDependencyError,
     PluginLoadError,
     StrategyConflictError,
+    UnknownLauncherError,
     UnknownStrategyError,
 )
 
@@ -96,6 +97,68 @@ class StrategyInfo:
         }
 
 
+@attrs.frozen(kw_only=True)
+class LauncherInfo:
+    """One registered launcher name (see :class:`StrategyInfo`; the same rules)."""
+
+    name: str
+    factory: type | str = attrs.field(repr=False)
+    description: str
+    capabilities: Any
+    preset_options: Mapping[str, Any] = attrs.field(factory=dict)
+    plugin: PluginInfo
+
+    def create(self, **options: Any) -> Any:
+        from stratagem.launchers.base import Launcher
+
+        missing = self.capabilities.missing_requirements()
+        if missing:
+            raise MissingDependencyError(self.name, missing)
+        cls = _load_factory(self.name, self.factory, self.plugin)
+        launcher = cls(**{**self.preset_options, **options})
+        if not isinstance(launcher, Launcher):
+            raise ConfigurationError(
+                f"Launcher {self.name!r} from {self.plugin.distribution}: factory {self.factory!r} built a "
+                f"{type(launcher).__name__}, not a stratagem.launchers.Launcher."
+            )
+        launcher.registered_name = self.name
+        return launcher
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "distribution": self.plugin.distribution,
+            "version": self.plugin.version,
+            "capabilities": self.capabilities.to_json(),
+            "missing": self.capabilities.missing_requirements(),
+        }
+
+
+def _load_factory(name: str, factory: type | str, plugin: PluginInfo) -> Any:
+    if not isinstance(factory, str):
+        return factory
+    module_name, _, attr = factory.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except Exception as error:
+        raise PluginLoadError(f"{name} -> {factory}", plugin.distribution, plugin.version, error) from error
+    return target
+
+
+def _check_registration(kind: str, name: str, factory: Any, description: str) -> None:
+    if not name or not set(name) <= _NAME_CHARS:
+        raise ValueError(f"register({name!r}): a {kind} name is lower-case letters, digits and underscores.")
+    if not isinstance(factory, (str, type)):
+        raise TypeError(f"register({name!r}): factory must be a class or 'pkg.module:Class' string.")
+    if isinstance(factory, str) and ":" not in factory:
+        raise ValueError(f"register({name!r}): factory string {factory!r} must look like 'pkg.module:Class'.")
+    if not description:
+        raise ValueError(f"register({name!r}): give a one-line description for the listing.")
+
+
 @attrs.define
 class Registry:
     """Every strategy name known to this process, plus the plugins that failed to load."""
@@ -103,6 +166,59 @@ class Registry:
     strategies: dict[str, StrategyInfo] = attrs.field(factory=dict)
     broken: list[PluginLoadError] = attrs.field(factory=list)
     conflicts: dict[str, StrategyConflictError] = attrs.field(factory=dict)
+    launchers: dict[str, LauncherInfo] = attrs.field(factory=dict)
+
+    def launcher_registrar(self, plugin: PluginInfo) -> Callable[..., None]:
+        """The ``register`` callback handed to one plugin's ``register_launchers``."""
+        from stratagem.launchers._job import LauncherCapabilities
+
+        def register(
+            name: str,
+            factory: type | str,
+            *,
+            description: str,
+            capabilities: Any = None,
+            **preset_options: Any,
+        ) -> None:
+            _check_registration("launcher", name, factory, description)
+            if name in self.launchers:
+                raise StrategyConflictError(
+                    name, self.launchers[name].plugin.distribution, plugin.distribution
+                )
+            self.launchers[name] = LauncherInfo(
+                name=name,
+                factory=factory,
+                description=description,
+                capabilities=capabilities or LauncherCapabilities(),
+                preset_options=dict(preset_options),
+                plugin=plugin,
+            )
+
+        return register
+
+    def get_launcher(self, name: str) -> LauncherInfo:
+        try:
+            return self.launchers[name]
+        except KeyError:
+            raise UnknownLauncherError(name, self.launchers) from None
+
+    def check_launcher(self, name: str, *, accelerator: str, num_nodes: int) -> LauncherInfo:
+        """The launcher's info, after checking the request against what it declares."""
+        info = self.get_launcher(name)
+        refusal = info.capabilities.refusal(accelerator=accelerator, num_nodes=num_nodes)
+        if refusal is not None:
+            able = [
+                other.name
+                for other in self.launchers.values()
+                if other.capabilities.refusal(accelerator=accelerator, num_nodes=num_nodes) is None
+            ]
+            raise ConfigurationError(
+                f"Launcher {name!r} cannot run {refusal}. Launchers that can: {', '.join(sorted(able)) or '(none)'}."
+            )
+        missing = info.capabilities.missing_requirements()
+        if missing:
+            raise MissingDependencyError(name, missing)
+        return info
 
     def registrar(self, plugin: PluginInfo) -> Callable[..., None]:
         """The ``register`` callback handed to one plugin's ``register_strategies``."""

@@ -20,6 +20,8 @@ RESTART_COUNT_ENV = "STRATAGEM_RESTART_COUNT"
 RESTART_COUNT_ENVS = (RESTART_COUNT_ENV, "TORCHELASTIC_RESTART_COUNT")
 MAX_RESTARTS_ENVS = ("STRATAGEM_MAX_RESTARTS", "TORCHELASTIC_MAX_RESTARTS")
 RESTART_LOG_ENV = "STRATAGEM_RESTART_LOG"
+#: ``RANK: why`` of the failure that caused this restart, from a launcher that keeps no restart log.
+LAST_FAILURE_ENV = "STRATAGEM_LAST_FAILURE"
 
 
 def _first_int(names: tuple[str, ...]) -> int:
@@ -88,6 +90,10 @@ def latest_restart(resumed_step: int) -> Restart:
     attempt = restart_count()
     entries = failures()
     entry = entries[-1] if entries else {}
+    if not entry and LAST_FAILURE_ENV in os.environ:
+        # A launcher without a restart log (Ray) hands the failure over in the environment.
+        rank, _, why = os.environ[LAST_FAILURE_ENV].partition(":")
+        entry = {"rank": int(rank) if rank.isdigit() else None, "why": why.strip()}
     return Restart(
         attempt=attempt,
         rank=entry.get("rank"),

@@ -60,6 +60,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
 
     def beat(self, step: int, batch: int, phase: str) -> None:
         self._where = (step, batch, PHASES.index(phase))

@@ -74,6 +74,29 @@ def _strategies(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("launchers")
+def _launchers(args: argparse.Namespace) -> int:
+    from stratagem._manager import get_registry
+
+    rows = [info.to_json() for _, info in sorted(get_registry().launchers.items())]
+    if args.json:
+        print(json.dumps({"launchers": rows}, indent=2))
+        return 0
+    width = max([len(r["name"]) for r in rows] + [4])
+    for row in rows:
+        caps = row["capabilities"]
+        nodes = "several nodes" if caps["multi_node"] else "one node"
+        print(f"{row['name']:<{width}}  {row['description']}")
+        print(
+            f"{'':<{width}}  from {row['distribution']} {row['version']}; accelerators "
+            f"{','.join(caps['accelerators'])}; {nodes}"
+        )
+        if row["missing"]:
+            quoted = " ".join(f"'{m}'" for m in row["missing"])
+            print(f"{'':<{width}}  needs {', '.join(row['missing'])}: pip install {quoted}")
+    return 0
+
+
 # -------------------------------------------------------------------------------------------------
 # parser
 # -------------------------------------------------------------------------------------------------
@@ -84,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("strategies", help="list installed strategies and their declared capabilities")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("launchers", help="list installed launchers (how workers start) and what they can run")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     for extend in _PARSER_EXTENSIONS:

@@ -42,6 +42,12 @@ def _add_parsers(sub: argparse._SubParsersAction) -> None:
         default="",
         help="c10d rendezvous settings as key=value,... (e.g. last_call_timeout=5,join_timeout=600)",
     )
+    p.add_argument(
+        "--launcher",
+        default=None,
+        help="how the workers start: 'elastic' (torch's agent, the default) or an installed launcher plugin "
+        "(`stratagem launchers` lists them)",
+    )
     p.add_argument("script", help="the script to run (or -m followed by a module)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
 
@@ -98,17 +104,26 @@ def _run(args: argparse.Namespace) -> int:
 
         get_registry().get(args.strategy)  # an unknown name fails here, naming the installed ones
         env[STRATEGY_ENV] = args.strategy
-    launcher.launch_script(
-        command,
+    from stratagem._manager import LauncherHooks, get_registry
+    from stratagem.engine import DEFAULT_LAUNCHER, LAUNCHER_ENV
+    from stratagem.launchers import LaunchJob
+
+    accelerator = resolve_accelerator(args.accelerator)
+    name = args.launcher or os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER
+    chosen = get_registry().check_launcher(name, accelerator=accelerator, num_nodes=max_nodes).create()
+    job = LaunchJob(
+        kind="script",
+        command=command,
         nproc_per_node=args.devices,
-        accelerator=resolve_accelerator(args.accelerator),
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
-        env=env,
-        max_restarts=args.max_restarts,
         rdzv_configs=_rdzv_conf(args.rdzv_conf),
+        accelerator=accelerator,
+        env=launcher.worker_environment(accelerator, env, args.devices),
+        max_restarts=args.max_restarts,
     )
+    LauncherHooks(chosen).launch_workers(job)
     return 0
 
 

@@ -150,6 +150,7 @@ def detect(
         backend=backend,
         timeout_s=timeout_s,
         source=source or "single",
-        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        # stratagem's agent counts every restart (a node joining too); torch's counts those after a failure.
+        restart_count=int(env.get("STRATAGEM_RESTART_COUNT") or env.get("TORCHELASTIC_RESTART_COUNT") or 0),
         launcher_hosts_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )

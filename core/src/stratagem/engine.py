@@ -11,16 +11,20 @@ from typing import Any, ContextManager
 
 import torch
 
-from stratagem import _rerun, launcher
+from stratagem import _rerun
 from stratagem import cluster as cluster_mod
+from stratagem import launcher as agent
 from stratagem._manager import StrategyHooks, get_registry, installed_plugins
-from stratagem.errors import CapabilityError, CheckpointError, ConfigurationError
+from stratagem.errors import CapabilityError, CheckpointError, ConfigurationError, WorkerFailedError
 from stratagem.precision import normalize
 from stratagem.seed import seed_everything
 from stratagem.strategies.base import Strategy
 
 #: ``stratagem run --strategy S`` sets this; it replaces ``strategy="auto"``.
 STRATEGY_ENV = "STRATAGEM_STRATEGY"
+#: Names the launcher for ``launcher="auto"`` (``stratagem run --launcher L`` sets it too).
+LAUNCHER_ENV = "STRATAGEM_LAUNCHER"
+DEFAULT_LAUNCHER = "elastic"
 DEFAULT_TIMEOUT_S = 1800.0
 
 
@@ -100,6 +104,9 @@ class Engine:
     :param max_restarts: when a worker fails (raises, is killed, or hangs past ``timeout`` under the Trainer),
         torch's elastic agent restarts all the workers up to this many times (the Trainer resumes from the
         newest complete checkpoint); 0 ends the run at the first failure.
+    :param launcher: how workers start when this process must launch them: ``"auto"`` (``STRATAGEM_LAUNCHER``,
+        else ``"elastic"``, torch's elastic agent), a registered launcher name (``"ray"`` with stratagem-ray), or
+        a ``stratagem.launchers.Launcher`` instance. Checked before anything starts.
     :param addons: add-on plugins (``@hookimpl(wrapper=True)`` around strategy operations) for this engine
         only, registered after the installed ones. They travel to launched workers, so they must pickle.
     """
@@ -114,6 +121,7 @@ class Engine:
         timeout: float = DEFAULT_TIMEOUT_S,
         addons: list[object] | tuple[object, ...] = (),
         max_restarts: int = 0,
+        launcher: Any = "auto",
     ) -> None:
         if not isinstance(devices, int) or devices < 1:
             raise ConfigurationError(f"devices={devices!r}: give a positive number of processes per node.")
@@ -128,8 +136,9 @@ class Engine:
             timeout=timeout,
             addons=tuple(addons),
             max_restarts=max_restarts,
+            launcher=launcher,
         )
-        launcher.check_max_restarts(max_restarts)
+        agent.check_max_restarts(max_restarts)
         self.max_restarts = max_restarts
         self.accelerator = cluster_mod.resolve_accelerator(accelerator)
         self.precision = normalize(precision)
@@ -137,11 +146,15 @@ class Engine:
         self._source = cluster_mod.launched_externally()
         if self._source is not None:
             # Record an uncaught exception for the launcher from the start, not only once training begins.
-            launcher.install_worker_excepthook()
+            agent.install_worker_excepthook()
         self._check_devices()
         self.world_size_requested = self._expected_world_size()
         self._addons = tuple(addons)
         self._strategy_info, self._strategy = self._resolve_strategy(strategy)
+        self._launcher_choice = launcher
+        if self.needs_launch:
+            # Checked before anything starts: the name exists, and it can run this request.
+            self._launcher = self._resolve_launcher(launcher)
         self._hooks_cache: StrategyHooks | None = None
         if not self.needs_launch:
             # A process that only launches workers never uses the strategy: importing it (a plugin and
@@ -245,6 +258,47 @@ class Engine:
         return None if info is None else info.capabilities
 
     # launching -------------------------------------------------------------------------------------
+    def _resolve_launcher(self, launcher: Any) -> Any:
+        from stratagem.launchers.base import Launcher
+
+        registry = get_registry()
+        if isinstance(launcher, Launcher):
+            name = launcher.registered_name
+            if name is not None and name in registry.launchers:
+                registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
+            return launcher
+        if not isinstance(launcher, str):
+            raise ConfigurationError(f"launcher={launcher!r}: give a registered name or a Launcher instance.")
+        name = os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER if launcher == "auto" else launcher
+        info = registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
+        return info.create()
+
+    def _run_job(self, job: Any) -> dict[int, Any]:
+        from stratagem._manager import LauncherHooks
+
+        return LauncherHooks(self._launcher).launch_workers(job)
+
+    def _job(self, kind: str, **fields: Any) -> Any:
+        from stratagem.launchers import LaunchJob
+
+        return LaunchJob(
+            kind=kind,
+            nproc_per_node=self.devices,
+            accelerator=self.accelerator,
+            env=agent.worker_environment(self.accelerator, fields.pop("env", None), self.devices),
+            max_restarts=self.max_restarts,
+            **fields,
+        )
+
+    def supervise(self) -> None:
+        """Re-run this very command in the workers, then end this process with their status (it only
+        supervises: the rest of the script ran in the workers)."""
+        try:
+            self._run_job(self._job("script", command=agent.current_command()))
+        except WorkerFailedError as error:
+            raise SystemExit(f"stratagem: {error}") from None
+        raise SystemExit(0)
+
     @property
     def needs_launch(self) -> bool:
         """True in the process the user started when more than one process is wanted and none exist yet."""
@@ -269,7 +323,7 @@ class Engine:
                     "`stratagem run --nnodes N --node-rank R --rdzv-endpoint host:port script.py`."
                 )
             if fn is None:
-                launcher.supervise_script(self.devices, self.accelerator, max_restarts=self.max_restarts)
+                self.supervise()
             return self._launch_function(fn, args)
         target = _rerun.target_call()
         if fn is not None and target is not None:
@@ -281,12 +335,8 @@ class Engine:
         call = _rerun.next_call()
         problem = _rerun.why_not_spawnable(fn, (self._config, args))
         if problem is None:
-            result = launcher.launch_function(
-                _worker_main,
-                (self._config, fn, args),
-                nproc_per_node=self.devices,
-                accelerator=self.accelerator,
-                max_restarts=self.max_restarts,
+            result = self._run_job(
+                self._job("function", function=_worker_main, args=(self._config, fn, args))
             ).get(0)
         else:
             started = _rerun.how_started()
@@ -300,13 +350,7 @@ class Engine:
                 )
             result = _rerun.run_script_for(
                 call,
-                lambda env: launcher.launch_script(
-                    launcher.current_command(),
-                    nproc_per_node=self.devices,
-                    accelerator=self.accelerator,
-                    env=env,
-                    max_restarts=self.max_restarts,
-                ),
+                lambda env: self._run_job(self._job("script", command=agent.current_command(), env=env)),
             )
         _rerun.record(result)
         return result
@@ -334,7 +378,7 @@ class Engine:
                 "engine.launch(fn) (or engine.launch() to re-run this script), or start it with torchrun or "
                 "`stratagem run --devices N script.py`."
             )
-        launcher.install_worker_excepthook()
+        agent.install_worker_excepthook()
         env = cluster_mod.detect(
             accelerator=self.accelerator,
             devices=self.devices,

@@ -30,6 +30,31 @@ class UnknownStrategyError(StratagemError, KeyError):
         return str(self.args[0])
 
 
+#: Launchers that live in their own distribution, for the hint when one is asked for but not installed.
+KNOWN_LAUNCHER_PACKAGES = {"ray": "stratagem-ray"}
+
+
+class UnknownLauncherError(StratagemError, KeyError):
+    """A launcher name that no installed plugin registers."""
+
+    def __init__(self, name: str, installed: Iterable[str]) -> None:
+        self.name = name
+        self.installed = sorted(installed)
+        close = difflib.get_close_matches(name, self.installed, n=1, cutoff=0.5)
+        self.closest = close[0] if close else None
+        message = f"Unknown launcher {name!r}."
+        package = KNOWN_LAUNCHER_PACKAGES.get(name)
+        if package:
+            message += f" It comes with {package}: pip install {package}."
+        elif self.closest:
+            message += f" Did you mean {self.closest!r}?"
+        message += f" Installed launchers: {', '.join(self.installed) or '(none)'}."
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class PluginLoadError(StratagemError):
     """A plugin's entry point could not be imported or its ``register_strategies`` failed."""
 

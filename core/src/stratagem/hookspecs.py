@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from stratagem.cluster import ClusterEnvironment
+    from stratagem.launchers import LaunchJob
 
 PROJECT_NAME = "stratagem"
 
@@ -264,4 +265,36 @@ def teardown() -> None:
     """Release what :func:`setup_environment` acquired (process group, devices, memory).
 
     Stops at the first non-``None`` result.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# launchers: how worker processes start (a second kind of plugin, registered in the same group)
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def register_launchers(register: Callable[..., None]) -> None:
+    """Register the launchers a plugin provides.
+
+    Called once per plugin when the registry is first built; every implementation runs. Must not import
+    heavy modules (ray, torch): pass a ``"pkg.module:Class"`` string as factory.
+
+    :param register: ``register(name, factory, *, description, capabilities, **preset_options)``, with
+        :class:`stratagem.launchers.LauncherCapabilities`.
+    """
+
+
+@hookspec(firstresult=True)
+def launch_workers(job: LaunchJob) -> dict[int, Any]:
+    """Start the workers of ``job``, wait for them, and return this node's results by global rank.
+
+    Stops at the first non-``None`` result: the chosen launcher answers. Each worker gets the rank
+    environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``, ``STRATAGEM_WORKER=1``) plus ``job.env``. A script job re-runs
+    ``job.command`` in every worker; a function job calls ``job.function(*job.args)``. A worker that fails
+    raises :class:`stratagem.WorkerFailedError` here naming its rank, after the launcher's restarts
+    (``job.max_restarts``; restarted workers see ``STRATAGEM_RESTART_COUNT``) are used up.
+
+    :param job: what to run and where (:class:`stratagem.launchers.LaunchJob`).
     """

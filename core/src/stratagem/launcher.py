@@ -159,13 +159,9 @@ def _run(
     with tempfile.TemporaryDirectory(prefix="stratagem-agent-") as scratch:
         restart_log = Path(scratch) / "restarts.jsonl"
         restart_log.touch()
-        # A restarted group must not meet its predecessor's keys: without sharing the agent's store, each
-        # attempt's rank 0 hosts a fresh one (the shared store keeps the dead workers' addresses).
-        agent_env = {
-            **env,
-            _agent.RESTART_LOG_ENV: str(restart_log),
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        }
+        # The workers share the agent's store, which outlives a restart with the failed attempt's keys; the
+        # strategies keep each attempt's keys apart (ClusterEnvironment.restart_count).
+        agent_env = {**env, _agent.RESTART_LOG_ENV: str(restart_log)}
         with _environment(agent_env), _quiet_agent():
             try:
                 return _agent.run_agent(
@@ -208,7 +204,7 @@ def launch_function(
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` in every worker; return ``{rank: result}`` of this node's workers."""
     return _run(
-        _call_recording,
+        call_recording,
         [fn, *args],
         worker_environment(accelerator, env, nproc_per_node),
         nproc_per_node=nproc_per_node,
@@ -273,7 +269,7 @@ def supervise_script(
     raise SystemExit(0)
 
 
-def _call_recording(fn: Callable[..., Any], *args: Any) -> Any:
+def call_recording(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` in a spawned worker, noting the time of an exception for :func:`stratagem._failures.root_failure`."""
     try:
         return fn(*args)
@@ -329,6 +325,13 @@ def install_worker_excepthook() -> None:
         recorded = record_exception(kind, value, tb)
         if not (recorded and supervised):
             previous(kind, value, tb)
+        # The failure is on record: end here. Interpreter shutdown would destroy a live process group from
+        # arbitrary threads and can abort ("terminate called without an active exception", SIGABRT), which
+        # would hide the exception behind a signal; exit hooks of a failed worker have nothing left to do.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
 
     hook._stratagem = True  # type: ignore[attr-defined]
     sys.excepthook = hook

@@ -56,7 +56,14 @@ class Trainer:
     :param log_every_n_steps: reduce the logged metrics across ranks and write them out this often.
     :param enable_progress_bar: show the progress bar on rank 0.
     :param use_distributed_sampler: give loaders a ``DistributedSampler`` unless they have a sampler of their own.
-    :param timeout: the process-group timeout in seconds (a rank waiting longer on a peer fails).
+    :param timeout: seconds a rank may go without progress: the hang watchdog then names the rank that did not
+        arrive and ends the run (or the attempt, with restarts); collectives time out somewhat later.
+    :param max_restarts: restart the workers this many times after a failure (a crash, a kill, a hang), resuming
+        from the newest complete checkpoint of the run (see docs/fault-tolerance.md).
+    :param checkpoint_every_n_minutes: also checkpoint on this wall-clock cadence (rank 0's clock decides).
+    :param restart_from_scratch: allow ``max_restarts`` without any checkpoint cadence (a restart then begins at
+        step 0); refused otherwise.
+    :param launcher: how the workers start (see :class:`~stratagem.Engine`): ``"auto"``, a name, or an instance.
     """
 
     def __init__(
@@ -85,6 +92,7 @@ class Trainer:
         max_restarts: int = 0,
         checkpoint_every_n_minutes: float | None = None,
         restart_from_scratch: bool = False,
+        launcher: Any = "auto",
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -114,6 +122,7 @@ class Trainer:
             # Longer than the hang watchdog's `timeout`, so that the watchdog names the rank that hangs.
             timeout=collective_timeout(timeout),
             max_restarts=max_restarts,
+            launcher=launcher,
         )
         self._recovery = Recovery(
             self.engine,
@@ -319,9 +328,7 @@ class Trainer:
                 f"devices={self.engine.devices} inside pytest would re-run pytest in every worker. Run the "
                 "training in a script (python script.py) from the test, or use Engine.launch(fn)."
             )
-        launcher.supervise_script(
-            self.engine.devices, self.engine.accelerator, max_restarts=self.engine.max_restarts
-        )
+        self.engine.supervise()
 
     # set-up ----------------------------------------------------------------------------------------
     def _setup(self, model: Module, *, with_optimizers: bool) -> None:

@@ -214,6 +214,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
+    p.add_argument("--launcher", default="auto")
     p.add_argument("--ckpt-minutes", type=float, default=None)
     p.add_argument("--restart-from-scratch", action="store_true")
     return p.parse_args(argv)
@@ -242,6 +243,7 @@ def main(argv: list[str]) -> None:
             max_restarts=args.max_restarts,
             checkpoint_every_n_minutes=args.ckpt_minutes,
             restart_from_scratch=args.restart_from_scratch,
+            launcher=args.launcher,
         )
         module = Regression(dropout=args.dropout, optimizer=args.optimizer, scheduler=args.scheduler)
         if args.fail is not None:
@@ -276,7 +278,9 @@ def _slowed(step: Any, seconds: float) -> Any:
 
 def _scheduled_faults(step: Any, trainer: sg.Trainer, faults: str) -> Any:
     """Fail as the schedule says, in this restart attempt of the worker group only."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = int(
+        os.environ.get("STRATAGEM_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0
+    )
     mine = []
     for item in faults.split(","):
         when, rank, at, how = item.split(":")

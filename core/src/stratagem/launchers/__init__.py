@@ -1,0 +1,32 @@
+"""Launchers: how the worker processes of a run start, restart and report, chosen by name like strategies.
+
+``elastic`` (torch's elastic agent) is built in and the default; other launchers come from plugins
+(``stratagem-ray``: ``ray``). A process that is already a worker (torchrun, SLURM, a launcher's worker)
+launches nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stratagem.launchers._job import LauncherCapabilities, LaunchJob
+    from stratagem.launchers.base import Launcher
+    from stratagem.launchers.elastic import ElasticLauncher
+
+__all__ = ["ElasticLauncher", "LaunchJob", "Launcher", "LauncherCapabilities"]
+
+_LAZY = {
+    "LaunchJob": "stratagem.launchers._job",
+    "LauncherCapabilities": "stratagem.launchers._job",
+    "Launcher": "stratagem.launchers.base",
+    "ElasticLauncher": "stratagem.launchers.elastic",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'stratagem.launchers' has no attribute {name!r}")

@@ -1,0 +1,31 @@
+"""``elastic``: torch's elastic agent, on this node (and, through a rendezvous, on others)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stratagem import launcher as agent
+from stratagem.hookspecs import hookimpl
+from stratagem.launchers._job import LaunchJob
+from stratagem.launchers.base import Launcher
+
+
+class ElasticLauncher(Launcher):
+    """Workers started, watched and restarted by torch's elastic agent (``torch.distributed.launcher``)."""
+
+    @hookimpl
+    def launch_workers(self, job: LaunchJob) -> dict[int, Any]:
+        common = dict(
+            nproc_per_node=job.nproc_per_node,
+            accelerator=job.accelerator,
+            nnodes=job.nnodes,
+            node_rank=job.node_rank,
+            rdzv_endpoint=job.rdzv_endpoint,
+            env=dict(job.env),
+            max_restarts=job.max_restarts,
+        )
+        if job.kind == "script":
+            agent.launch_script(list(job.command), rdzv_configs=dict(job.rdzv_configs), **common)
+            return {}
+        assert job.function is not None
+        return agent.launch_function(job.function, tuple(job.args), **common)

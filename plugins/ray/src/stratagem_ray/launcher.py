@@ -1,0 +1,334 @@
+"""``ray``: the workers of a run as Ray actors, one per device, in a placement group.
+
+Why actors and not Ray Train's ``TorchTrainer``: stratagem's strategies set up ``torch.distributed`` themselves
+from the rank environment (and own checkpointing and resuming through the Trainer), while ``TorchTrainer``
+initialises the process group in its own backend and hands results back through ``ray.train.report``. With
+plain actors in a placement group (Ray's own scheduling: one bundle per worker, spread over nodes for a
+multi-node run), the worker sees exactly what torchrun would give it, rank 0's return value comes back as it
+is, and a failure is a Ray error of one actor that names its rank.
+
+A run: connect to the cluster (``address``, else ``RAY_ADDRESS``, else a local cluster started here and shut
+down afterwards), check that it has the resources, reserve a placement group, start one actor per worker,
+give each the rank environment (rank 0's node address and a free port there as the master), and run the
+script (``runpy``, as ``__main__``) or the function in every actor. The driver waits for the first actor to
+fail or for all to finish; a failure ends every actor of the attempt and, while ``max_failures`` allows,
+starts the group again with ``STRATAGEM_RESTART_COUNT`` raised, so that the Trainer resumes from its newest
+checkpoint. Actors' output reaches the driver through Ray, each line led by the actor's rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from stratagem.errors import ConfigurationError, WorkerFailedError
+from stratagem.hookspecs import hookimpl
+from stratagem.launchers import LaunchJob
+from stratagem.launchers.base import Launcher
+
+#: How long a placement group may wait for its resources before the run is refused.
+PLACEMENT_TIMEOUT_S = 60.0
+#: How long the driver waits at the end for the workers' last output lines to arrive.
+LOG_FLUSH_S = 1.5
+
+
+class RayLauncher(Launcher):
+    """Run the workers on Ray.
+
+    :param address: the Ray cluster (``"host:port"`` of its head, or ``"auto"``); default ``RAY_ADDRESS``, else
+        a local cluster started for the run and stopped after it.
+    :param num_workers: workers in all (default: ``devices x num_nodes`` of the Trainer or Engine).
+    :param resources_per_worker: Ray resources each worker reserves (default ``{"CPU": 1}``, plus ``{"GPU": 1}``
+        on CUDA).
+    :param max_failures: restarts of the worker group after a failure (default: the Trainer's
+        ``max_restarts``).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        num_workers: int | None = None,
+        resources_per_worker: dict[str, float] | None = None,
+        max_failures: int | None = None,
+    ) -> None:
+        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
+            raise ConfigurationError(f"RayLauncher(num_workers={num_workers!r}): give a positive integer.")
+        if max_failures is not None and (not isinstance(max_failures, int) or max_failures < 0):
+            raise ConfigurationError(
+                f"RayLauncher(max_failures={max_failures!r}): give 0 or a positive integer."
+            )
+        self.address = address
+        self.num_workers = num_workers
+        self.resources_per_worker = dict(resources_per_worker) if resources_per_worker else None
+        self.max_failures = max_failures
+
+    # the hook --------------------------------------------------------------------------------------------
+    @hookimpl
+    def launch_workers(self, job: LaunchJob) -> dict[int, Any]:
+        import ray
+
+        world = self.num_workers or job.nproc_per_node * job.max_nodes
+        per_worker = self.resources_per_worker or (
+            {"CPU": 1.0, "GPU": 1.0} if job.accelerator == "cuda" else {"CPU": 1.0}
+        )
+        started_here = self._connect(world, per_worker)
+        try:
+            _check_resources(world, per_worker)
+            return self._run(job, world, per_worker)
+        finally:
+            # Ray's log monitor forwards the workers' output from their log files every so often: give it the
+            # time to send the last lines before this driver goes.
+            time.sleep(LOG_FLUSH_S)
+            if started_here:
+                ray.shutdown()
+
+    # connecting ------------------------------------------------------------------------------------------
+    def _connect(self, world: int, per_worker: dict[str, float]) -> bool:
+        """Join the cluster to use; True if a local one was started here (and must be stopped)."""
+        import ray
+
+        address = self.address or os.environ.get("RAY_ADDRESS")
+        if ray.is_initialized():
+            return False
+        if address:
+            _check_reachable(address)
+            ray.init(address=address, log_to_driver=True, configure_logging=False)
+            return False
+        cpus = int(max(world * per_worker.get("CPU", 0), os.cpu_count() or 1))
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        return True
+
+    # running ---------------------------------------------------------------------------------------------
+    def _run(self, job: LaunchJob, world: int, per_worker: dict[str, float]) -> dict[int, Any]:
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        spread = job.max_nodes > 1 and job.nproc_per_node == 1
+        group = placement_group([dict(per_worker)] * world, strategy="STRICT_SPREAD" if spread else "PACK")
+        try:
+            ready = _wait(group.ready(), PLACEMENT_TIMEOUT_S)
+            if not ready:
+                raise ConfigurationError(
+                    f"Ray could not place {world} workers with {per_worker} each within {PLACEMENT_TIMEOUT_S:.0f} s"
+                    f"{' on different nodes' if spread else ''}: the cluster has {_resources_text()}."
+                )
+            max_failures = job.max_restarts if self.max_failures is None else self.max_failures
+            last: WorkerFailedError | None = None
+            for attempt in range(max_failures + 1):
+                failure = self._attempt(job, world, per_worker, group, attempt, max_failures, last)
+                if isinstance(failure, dict):
+                    return failure
+                last = failure
+                if attempt < max_failures:
+                    print(
+                        f"stratagem: rank {failure.rank} {failure.detail.strip().splitlines()[-1]}; restarting the "
+                        f"workers ({attempt + 1} of {max_failures} restarts).",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    continue
+                if max_failures:
+                    failure = WorkerFailedError(
+                        failure.rank,
+                        failure.exitcode,
+                        f"{failure.detail}\ngave up after {max_failures} restart(s)",
+                    )
+                raise failure
+            raise AssertionError("unreachable")
+        finally:
+            remove_placement_group(group)
+
+    def _attempt(
+        self,
+        job: LaunchJob,
+        world: int,
+        per_worker: dict[str, float],
+        group: Any,
+        attempt: int,
+        max_failures: int,
+        last: WorkerFailedError | None,
+    ) -> dict[int, Any] | WorkerFailedError:
+        """One start of the whole group: every rank's result, or the first failure."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        worker_class = ray.remote(_Worker)
+        actors = [
+            worker_class.options(
+                num_cpus=per_worker.get("CPU", 0),
+                num_gpus=per_worker.get("GPU", 0),
+                resources={k: v for k, v in per_worker.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank
+                ),
+            ).remote(rank)
+            for rank in range(world)
+        ]
+        try:
+            places = ray.get([actor.where.remote() for actor in actors])
+            master_addr, master_port = places[0][1], ray.get(actors[0].free_port.remote())
+            nodes = list(dict.fromkeys(node for node, _ in places))
+            local_ranks: dict[str, int] = {}
+            pending = {}
+            for rank, (actor, (node, _)) in enumerate(zip(actors, places)):
+                local = local_ranks.get(node, 0)
+                local_ranks[node] = local + 1
+                env = {
+                    **job.env,
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(local),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_WORLD_SIZE": str(sum(1 for n, _ in places if n == node)),
+                    "GROUP_RANK": str(nodes.index(node)),
+                    "NODE_RANK": str(nodes.index(node)),
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port),
+                    "STRATAGEM_WORKER": "1",
+                    "STRATAGEM_RESTART_COUNT": str(attempt),
+                    "STRATAGEM_MAX_RESTARTS": str(max_failures),
+                }
+                if last is not None:
+                    env["STRATAGEM_LAST_FAILURE"] = f"{last.rank}: {last.detail.strip().splitlines()[-1]}"
+                ref = actor.run.remote(
+                    env, job.kind, list(job.command), job.function, tuple(job.args), os.getcwd()
+                )
+                pending[ref] = rank
+            results: dict[int, Any] = {}
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                ref = done[0]
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except Exception as error:  # the first failure ends the attempt: its peers would only wait
+                    return _describe(rank, error)
+            return results
+        finally:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+
+
+class _Worker:
+    """One worker process of the run (a Ray actor). Ray prefixes its output with ``repr(self)``."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __repr__(self) -> str:
+        return f"rank {self.rank}"
+
+    def where(self) -> tuple[str, str]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def run(
+        self, env: dict[str, str], kind: str, command: list[str], function: Any, args: tuple, cwd: str
+    ) -> Any:
+        os.environ.update(env)
+        if os.path.isdir(cwd):
+            os.chdir(cwd)
+        # Ray forwards the actor's output line by line; a block-buffered stream would hold it back, and an
+        # actor ended by the driver would lose what it held.
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(line_buffering=True)
+        try:
+            if kind == "function":
+                return function(*args)
+            return _run_command(command)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+def _run_command(command: list[str]) -> None:
+    """Run ``python ...`` arguments in this process as ``__main__`` (a script, ``-m module`` or ``-c code``)."""
+    import runpy
+
+    args = command[1:]
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = list(args)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise RuntimeError(f"the script exited with {stop.code!r}") from None
+
+
+def _describe(rank: int, error: BaseException) -> WorkerFailedError:
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(error, RayTaskError):
+        cause = error.cause if getattr(error, "cause", None) is not None else error
+        text = str(error)
+        # Ray's message holds the worker's traceback; keep it from the first "Traceback" on.
+        start = text.find("Traceback (most recent call last)")
+        detail = text[start:] if start >= 0 else f"{type(cause).__name__}: {cause}"
+        return WorkerFailedError(rank, 1, detail.rstrip())
+    if isinstance(error, RayActorError):
+        return WorkerFailedError(
+            rank,
+            None,
+            "its process died (killed by a signal, or out of memory): " + str(error).splitlines()[0],
+        )
+    return WorkerFailedError(rank, None, f"{type(error).__name__}: {error}")
+
+
+def _wait(ref: Any, timeout: float) -> bool:
+    import ray
+
+    ready, _ = ray.wait([ref], timeout=timeout)
+    return bool(ready)
+
+
+def _resources_text() -> str:
+    import ray
+
+    total = ray.cluster_resources()
+    return (
+        ", ".join(f"{value:g} {key}" for key, value in sorted(total.items()) if key in ("CPU", "GPU"))
+        or "nothing"
+    )
+
+
+def _check_resources(world: int, per_worker: dict[str, float]) -> None:
+    import ray
+
+    total = ray.cluster_resources()
+    for key, each in per_worker.items():
+        need = world * each
+        if total.get(key, 0.0) < need:
+            raise ConfigurationError(
+                f"{world} worker(s) with {each:g} {key} each need {need:g} {key}; the Ray cluster has "
+                f"{_resources_text()}. Ask for fewer devices, or give the cluster more."
+            )
+
+
+def _check_reachable(address: str) -> None:
+    """Fail at once, with the address, when nothing listens there (Ray itself would retry for a long time)."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5):
+            return
+    except (OSError, ValueError) as error:
+        raise ConfigurationError(
+            f"Ray cluster at {address!r} cannot be reached ({error}). Start one with `ray start --head`, "
+            "set RAY_ADDRESS to a running cluster's head, or leave address unset to start a local cluster."
+        ) from None
