@@ -53,7 +53,9 @@ def test_certified(name: str, tmp_path: Path) -> None:
         if skipped is not None:
             reason = skipped.get("message", "")
             found = skipped_declaration(reason)
-            assert found is not None, f"{case.get('name')} skipped for a reason no declaration gives: {reason}"
+            assert found is not None, (
+                f"{case.get('name')} skipped for a reason no declaration gives: {reason}"
+            )
             capability, value = found
             # The declaration it names really lacks that value.
             assert capability in declared and ast.literal_eval(value) not in declared[capability], reason

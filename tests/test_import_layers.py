@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-PACKAGES = ["stratagem", "stratagem_ddp", "stratagem_fsdp", "stratagem_deepspeed", "stratagem_localsgd"]
+PACKAGES = [
+    "stratagem",
+    "stratagem_ddp",
+    "stratagem_fsdp",
+    "stratagem_deepspeed",
+    "stratagem_ray",
+    "stratagem_localsgd",
+]
 
 
 def _modules(package: str) -> dict[str, Path]:

@@ -66,6 +66,9 @@ def _add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-progress-bar", action="store_true")
+    d.add_argument(
+        "--launcher", default="auto", help="how the workers start (`stratagem launchers` lists them)"
+    )
 
 
 cli._PARSER_EXTENSIONS.append(_add_parsers)
@@ -153,5 +156,6 @@ def _demo(args: argparse.Namespace) -> int:
         root_dir=args.root_dir,
         seed=args.seed,
         progress_bar=not args.no_progress_bar,
+        launcher=args.launcher,
     )
     return 0

@@ -273,6 +273,11 @@ class Engine:
         info = registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
         return info.create()
 
+    def _launcher_starts_all_nodes(self) -> bool:
+        name = getattr(self._launcher, "registered_name", None)
+        registry = get_registry()
+        return name in registry.launchers and registry.launchers[name].capabilities.starts_all_nodes
+
     def _run_job(self, job: Any) -> dict[int, Any]:
         from stratagem._manager import LauncherHooks
 
@@ -284,6 +289,7 @@ class Engine:
         return LaunchJob(
             kind=kind,
             nproc_per_node=self.devices,
+            nnodes=self.num_nodes,
             accelerator=self.accelerator,
             env=agent.worker_environment(self.accelerator, fields.pop("env", None), self.devices),
             max_restarts=self.max_restarts,
@@ -317,7 +323,7 @@ class Engine:
         with their status when they are done.
         """
         if self.needs_launch:
-            if self.num_nodes > 1:
+            if self.num_nodes > 1 and not self._launcher_starts_all_nodes():
                 raise ConfigurationError(
                     "num_nodes > 1: start one launcher per node with torchrun or "
                     "`stratagem run --nnodes N --node-rank R --rdzv-endpoint host:port script.py`."

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from stratagem.cluster import ClusterEnvironment
-    from stratagem.launchers import LaunchJob
+    from stratagem.launchers._job import LaunchJob
 
 PROJECT_NAME = "stratagem"
 

@@ -215,6 +215,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
     p.add_argument("--launcher", default="auto")
+    p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--ckpt-minutes", type=float, default=None)
     p.add_argument("--restart-from-scratch", action="store_true")
     return p.parse_args(argv)
@@ -230,6 +231,7 @@ def main(argv: list[str]) -> None:
             strategy=make_strategy(args.strategy),
             accelerator="cpu",
             devices=args.devices,
+            num_nodes=args.num_nodes,
             max_steps=args.steps,
             accumulate_grad_batches=accumulate,
             default_root_dir=Path(args.root) / f"run{i}",
@@ -262,6 +264,7 @@ def main(argv: list[str]) -> None:
         result["logged"] = dict(trainer.logged_metrics)
         result["rank"] = trainer.engine.rank
         result["strategy"] = trainer.strategy.name
+        result["node_id"] = os.environ.get("STRATAGEM_NODE_ID")
         results.append(result)
     rank = int(os.environ.get("RANK", "0"))
     if args.out:

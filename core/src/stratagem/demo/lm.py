@@ -165,6 +165,7 @@ def run(
     root_dir: str | None = None,
     seed: int = 0,
     progress_bar: bool = True,
+    launcher: str = "auto",
 ) -> dict[str, Any]:
     """Train for ``steps`` steps: the first half, a checkpoint, then a new model and Trainer resuming from it
     for the second half. Returns the report (on rank 0; the other ranks return theirs)."""
@@ -192,6 +193,7 @@ def run(
         seed=seed,
         log_every_n_steps=10,
         enable_progress_bar=progress_bar,
+        launcher=launcher,
     )
     first = sg.Trainer(max_steps=half, **common)
     model = CharLM(len(data.vocab))

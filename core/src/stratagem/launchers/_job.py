@@ -27,6 +27,9 @@ class LauncherCapabilities:
 
     accelerators: frozenset[str] = attrs.field(default=ACCELERATORS, converter=_accelerators)
     multi_node: bool = False
+    #: One launch from one process starts the workers of every node (Ray); otherwise each node runs its own
+    #: launch (torch's elastic agent: ``stratagem run`` on every node).
+    starts_all_nodes: bool = False
     requires: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def refusal(self, *, accelerator: str, num_nodes: int) -> str | None:
@@ -45,6 +48,7 @@ class LauncherCapabilities:
         return {
             "accelerators": sorted(self.accelerators),
             "multi_node": self.multi_node,
+            "starts_all_nodes": self.starts_all_nodes,
             "requires": list(self.requires),
         }
 

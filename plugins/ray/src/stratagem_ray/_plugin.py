@@ -14,5 +14,7 @@ def register_launchers(register: Callable[..., None]) -> None:
         "ray",
         "stratagem_ray.launcher:RayLauncher",
         description="Workers as Ray actors in a placement group, on an existing Ray cluster or a local one",
-        capabilities=LauncherCapabilities(accelerators={"cpu", "cuda"}, multi_node=True, requires=("ray",)),
+        capabilities=LauncherCapabilities(
+            accelerators={"cpu", "cuda"}, multi_node=True, starts_all_nodes=True, requires=("ray",)
+        ),
     )

@@ -98,7 +98,15 @@ class RayLauncher(Launcher):
             ray.init(address=address, log_to_driver=True, configure_logging=False)
             return False
         cpus = int(max(world * per_worker.get("CPU", 0), os.cpu_count() or 1))
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        # A cluster of this machine alone, on the loopback address.
+        ray.init(
+            address="local",  # a new cluster, even if another runs on this machine
+            num_cpus=cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+            _node_ip_address="127.0.0.1",
+        )
         return True
 
     # running ---------------------------------------------------------------------------------------------
@@ -186,6 +194,7 @@ class RayLauncher(Launcher):
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
                     "STRATAGEM_WORKER": "1",
+                    "STRATAGEM_NODE_ID": node,
                     "STRATAGEM_RESTART_COUNT": str(attempt),
                     "STRATAGEM_MAX_RESTARTS": str(max_failures),
                 }

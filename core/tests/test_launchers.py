@@ -1,0 +1,102 @@
+"""Launchers chosen by name like strategies: the registry, capability checks and errors before anything
+starts, the environment variable, and the listing. (Launching itself: test_launcher.py, test_engine.py, and
+each launcher plugin's own tests.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import stratagem as sg
+from stratagem._registry import PluginInfo, Registry
+from stratagem.engine import LAUNCHER_ENV
+from stratagem.errors import ConfigurationError, UnknownLauncherError
+from stratagem.launchers import ElasticLauncher, LauncherCapabilities
+
+
+def test_elastic_is_built_in_and_the_default(monkeypatch) -> None:
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    engine = sg.Engine(strategy="single_device", accelerator="cpu")
+    assert not engine.needs_launch  # one process: nothing to launch, no launcher resolved
+    info = sg.get_registry().get_launcher("elastic")
+    assert info.plugin.distribution == "stratagem" and info.capabilities.multi_node
+    assert isinstance(info.create(), ElasticLauncher)
+
+
+def test_unknown_names_say_what_exists(monkeypatch) -> None:
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    with pytest.raises(UnknownLauncherError) as caught:
+        sg.Engine(strategy="ddp", accelerator="cpu", devices=2, launcher="elastc")
+    message = str(caught.value)
+    assert (
+        "Unknown launcher 'elastc'. Did you mean 'elastic'?" in message and "Installed launchers:" in message
+    )
+    monkeypatch.setenv(LAUNCHER_ENV, "elastc")  # the same rules for the environment variable
+    with pytest.raises(UnknownLauncherError, match="Did you mean 'elastic'"):
+        sg.Engine(strategy="ddp", accelerator="cpu", devices=2)
+
+
+def test_a_launcher_from_a_package_that_is_not_installed_gives_the_pip_command() -> None:
+    # Only the built-ins load: as on a machine without stratagem-ray.
+    code = (
+        "import stratagem as sg\n"
+        "from stratagem.strategies import TorchDistributedStrategy\n"
+        "try:\n    sg.Trainer(strategy=TorchDistributedStrategy(), accelerator='cpu', devices=2, launcher='ray')\n"
+        "except sg.StratagemError as e:\n    print(e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "STRATAGEM_PLUGINS": ""},
+    )
+    assert "Unknown launcher 'ray'. It comes with stratagem-ray: pip install stratagem-ray." in done.stdout, (
+        done.stdout + done.stderr
+    )
+
+
+def test_capabilities_are_checked_before_anything_starts() -> None:
+    registry = Registry()
+    register = registry.launcher_registrar(PluginInfo(name="t", distribution="test-launchers", version="0"))
+    register(
+        "cpu_only",
+        ElasticLauncher,
+        description="a launcher for CPU workers on one node",
+        capabilities=LauncherCapabilities(accelerators={"cpu"}, multi_node=False),
+    )
+    register("anything", ElasticLauncher, description="d", capabilities=LauncherCapabilities(multi_node=True))
+    assert registry.check_launcher("cpu_only", accelerator="cpu", num_nodes=1).name == "cpu_only"
+    with pytest.raises(
+        ConfigurationError, match=r"cannot run accelerator 'cuda'.*Launchers that can: anything"
+    ):
+        registry.check_launcher("cpu_only", accelerator="cuda", num_nodes=1)
+    with pytest.raises(ConfigurationError, match=r"cannot run 2 nodes \(it runs on one node\)"):
+        registry.check_launcher("cpu_only", accelerator="cpu", num_nodes=2)
+    with pytest.raises(ValueError, match="lower-case"):
+        register("Bad Name", ElasticLauncher, description="d")
+    with pytest.raises(sg.StrategyConflictError):
+        register("cpu_only", ElasticLauncher, description="again")
+
+
+def test_elastic_cannot_start_other_nodes_from_one_process() -> None:
+    engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=1, num_nodes=2)
+    with pytest.raises(ConfigurationError, match="start one launcher per node"):
+        engine.launch(print)
+
+
+def test_listing() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "stratagem", "launchers", "--json"], capture_output=True, text=True, timeout=60
+    )
+    rows = {row["name"]: row for row in json.loads(done.stdout)["launchers"]}
+    assert rows["elastic"]["capabilities"] == {
+        "accelerators": ["cpu", "cuda"],
+        "multi_node": True,
+        "starts_all_nodes": False,
+        "requires": [],
+    }

@@ -1,0 +1,176 @@
+"""The ``ray`` launcher on real Ray clusters (CPU): the same script gives the same parameters as under torch's
+elastic agent; two Ray nodes get one worker each; an existing cluster is used and left running, a local one is
+started and stopped; a killed worker restarts the group; bad input fails before any worker starts.
+
+One ``ray start --head`` cluster serves the module (a Ray cluster takes seconds to start); the local-cluster
+and two-node tests start their own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+# Every Ray process of these tests on the loopback address (Ray otherwise advertises the machine's address
+# and turns 127.0.0.1 into it). Read when ray is imported, here and in the processes the tests start.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Loopback-only clusters for the tests: no access token to hand from `ray start` to its clients.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+pytest.importorskip("ray", reason="stratagem-ray's tests need ray (its dependency)")
+
+REPO = Path(__file__).resolve().parents[3]
+SCRIPT = REPO / "core" / "tests" / "workloads" / "sg_workloads.py"
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+def _ray_processes() -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                name = (entry / "comm").read_text().strip()
+            except OSError:
+                continue
+            if name in ("raylet", "gcs_server"):
+                found.add(int(entry.name))
+    return found
+
+
+def _run(root: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(SCRIPT), "--devices", "2", "--steps", "6", "--optimizer", "adamw"]
+    command += ["--shuffle", "--root", str(root), "--out", str(root / "out"), *extra]
+    full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=240, env={**full_env, **(env or {})}
+    )
+
+
+def _result(root: Path, rank: int = 0) -> dict:
+    (result,) = torch.load(f"{root / 'out'}.rank{rank}", weights_only=False)
+    return result
+
+
+def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in a)
+    return (num / sum(float(b[k].double().norm() ** 2) for k in b)) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def existing_cluster(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Ray cluster started here with `ray start --head`, as a user's would be."""
+    ray = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    temp = tmp_path_factory.mktemp("ray")
+    port = 20000 + os.getpid() % 20000
+    started = subprocess.run(
+        [
+            ray,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert started.returncode == 0, started.stderr[-3000:]
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_same_script_gives_the_same_parameters_on_ray(
+    existing_cluster: str, tmp_path: Path, strategy: str
+) -> None:
+    elastic = _run(tmp_path / "elastic", "--strategy", strategy)
+    assert elastic.returncode == 0, elastic.stderr[-3000:]
+    on_ray = _run(
+        tmp_path / "ray", "--strategy", strategy, "--launcher", "ray", env={"RAY_ADDRESS": existing_cluster}
+    )
+    assert on_ray.returncode == 0, on_ray.stderr[-3000:]
+    assert _relative(_result(tmp_path / "ray")["params"], _result(tmp_path / "elastic")["params"]) < 1e-6
+    # The workers' output reached the driver, each line led by its rank.
+    assert "(rank 0 pid=" in on_ray.stdout + on_ray.stderr
+    # The cluster stratagem was given is still there.
+    status = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import ray; ray.init(address='{existing_cluster}'); print(ray.cluster_resources()['CPU'])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert status.returncode == 0 and "2.0" in status.stdout, status.stderr[-2000:]
+
+
+def test_a_killed_worker_restarts_the_group_and_the_run_ends_as_if_uninterrupted(
+    existing_cluster: str, tmp_path: Path
+) -> None:
+    env = {"RAY_ADDRESS": existing_cluster}
+    plain = _run(tmp_path / "plain", "--launcher", "ray", "--ckpt-every", "2", env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    killed = _run(
+        tmp_path / "killed",
+        *("--launcher", "ray", "--ckpt-every", "2", "--max-restarts", "1", "--faults", "0:1:3:kill"),
+        env=env,
+    )
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "rank 1 its process died" in killed.stderr and "restarting the workers (1 of 1" in killed.stderr
+    got, want = _result(tmp_path / "killed")["params"], _result(tmp_path / "plain")["params"]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_bad_input_fails_before_any_worker_starts(existing_cluster: str, tmp_path: Path) -> None:
+    unreachable = _run(tmp_path / "a", "--launcher", "ray", env={"RAY_ADDRESS": "127.0.0.1:9"})
+    assert unreachable.returncode != 0
+    assert "Ray cluster at '127.0.0.1:9' cannot be reached" in unreachable.stderr, unreachable.stderr[-2000:]
+    too_many = _run(
+        tmp_path / "b", "--launcher", "ray", "--devices", "3", env={"RAY_ADDRESS": existing_cluster}
+    )
+    assert too_many.returncode != 0
+    assert "3 worker(s) with 1 CPU each need 3 CPU; the Ray cluster has 2 CPU" in too_many.stderr, (
+        too_many.stderr[-2000:]
+    )
+    assert not (tmp_path / "a" / "out.rank0").exists() and not (tmp_path / "b" / "out.rank0").exists()
+
+
+def test_a_local_cluster_is_started_and_stopped(tmp_path: Path) -> None:
+    before = _ray_processes()
+    done = _run(tmp_path / "local", "--launcher", "ray")
+    assert done.returncode == 0, done.stderr[-3000:]
+    time.sleep(1.0)
+    assert _ray_processes() - before == set(), "the local Ray cluster was left running"
+
+
+def test_two_ray_nodes_get_one_worker_each(tmp_path: Path) -> None:
+    """A real two-node cluster on this machine (ray.cluster_utils.Cluster: a head and a second raylet)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    try:
+        cluster.wait_for_nodes()
+        env = {"RAY_ADDRESS": cluster.address}
+        two = _run(tmp_path / "two", "--launcher", "ray", "--devices", "1", "--num-nodes", "2", env=env)
+        assert two.returncode == 0, two.stderr[-3000:]
+    finally:
+        cluster.shutdown()
+    nodes = {_result(tmp_path / "two", rank)["node_id"] for rank in (0, 1)}
+    assert len(nodes) == 2 and None not in nodes, nodes
+    one = _run(tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert _relative(_result(tmp_path / "two")["params"], _result(tmp_path / "one")["params"]) < 1e-6
