@@ -15,15 +15,19 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def test_strategies_json_lists_every_installed_plugin():
+def test_every_installed_plugin_is_listed_with_what_it_registers_or_its_error():
     result = run("strategies", "--json")
     assert result.returncode == 0, result.stderr
     listing = json.loads(result.stdout)
-    plugins = {row["plugin"] for row in listing["strategies"]} | {
-        b["entry_point"].split(" = ")[0] for b in listing["broken"]
-    }
+    launchers = run("launchers", "--json")
+    assert launchers.returncode == 0, launchers.stderr
+    plugins = (
+        {row["plugin"] for row in listing["strategies"]}
+        | {row["plugin"] for row in json.loads(launchers.stdout)["launchers"]}
+        | {b["entry_point"].split(" = ")[0] for b in listing["broken"]}
+    )
     installed = {ep.name for ep in importlib_metadata.entry_points(group="stratagem")}
-    assert installed <= plugins, f"entry points without strategies or errors: {installed - plugins}"
+    assert installed <= plugins, f"entry points without strategies, launchers or errors: {installed - plugins}"
     single = next(row for row in listing["strategies"] if row["name"] == "single_device")
     assert single["distribution"] == "stratagem" and single["capabilities"]["world_sizes"] == [1, 1]
     assert listing["conflicts"] == []

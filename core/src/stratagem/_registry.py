@@ -130,6 +130,7 @@ class LauncherInfo:
             "description": self.description,
             "distribution": self.plugin.distribution,
             "version": self.plugin.version,
+            "plugin": self.plugin.name,
             "capabilities": self.capabilities.to_json(),
             "missing": self.capabilities.missing_requirements(),
         }
