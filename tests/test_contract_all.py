@@ -8,6 +8,7 @@ strategy. A skipped check must name the capability that excludes it; anything el
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -59,3 +60,40 @@ def test_certified(name: str, tmp_path: Path) -> None:
             capability, value = found
             # The declaration it names really lacks that value.
             assert capability in declared and ast.literal_eval(value) not in declared[capability], reason
+
+
+LAUNCHER_PACKAGES = ("stratagem", "stratagem-ray")
+LAUNCHERS = sorted(
+    name for name, info in get_registry().launchers.items() if info.plugin.distribution in LAUNCHER_PACKAGES
+)
+
+
+def test_every_repository_launcher_is_certified() -> None:
+    assert set(LAUNCHERS) >= {"elastic", "ray"}, f"launchers of the repository's packages: {LAUNCHERS}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_certified(name: str, tmp_path: Path) -> None:
+    junit = tmp_path / "report.xml"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stratagem",
+            "contract",
+            "--launcher",
+            name,
+            f"--pytest-args=--junitxml={junit}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=580,
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
+    )
+    assert completed.returncode == 0, completed.stdout[-6000:] + completed.stderr[-3000:]
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+    assert len(cases) >= 4, f"the launcher section ran {len(cases)} checks"
+    assert not [c for c in cases if c.find("skipped") is not None], "a launcher check was skipped"

@@ -1,4 +1,5 @@
-"""``stratagem contract NAME...``: certify strategies with the contract suite (pytest in a subprocess)."""
+"""``stratagem contract NAME... [--launcher NAME]``: certify strategies and launchers with the contract suite
+(pytest in a subprocess)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from collections.abc import Sequence
 from stratagem import cli
 
 
-def pytest_command(names: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
-    """The pytest command line that runs the contract suite on ``names``."""
+def pytest_command(
+    names: Sequence[str], extra: Sequence[str] = (), launchers: Sequence[str] = ()
+) -> list[str]:
+    """The pytest command line that runs the contract suite on the strategies ``names`` and ``launchers``."""
     command = [
         sys.executable,
         "-m",
@@ -24,16 +27,25 @@ def pytest_command(names: Sequence[str], extra: Sequence[str] = ()) -> list[str]
     ]
     for name in names:
         command += ["--stratagem-strategy", name]
+    for name in launchers:
+        command += ["--stratagem-launcher", name]
     return [*command, *extra]
 
 
 def _add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "contract",
-        help="certify strategies with the contract suite",
-        description="Run `pytest --pyargs stratagem.contract` on the named strategies.",
+        help="certify strategies (and launchers) with the contract suite",
+        description="Run `pytest --pyargs stratagem.contract` on the named strategies and launchers.",
     )
-    p.add_argument("names", nargs="+", metavar="NAME", help="strategy names, or 'all'")
+    p.add_argument("names", nargs="*", metavar="NAME", help="strategy names, or 'all'")
+    p.add_argument(
+        "--launcher",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="certify this launcher too (repeatable, or 'all'); see `stratagem launchers`",
+    )
     p.add_argument(
         "--pytest-args",
         default="",
@@ -46,8 +58,15 @@ def _add_parser(sub: argparse._SubParsersAction) -> None:
 def _contract(args: argparse.Namespace) -> int:
     import shlex
 
+    if not args.names and not args.launcher:
+        print(
+            "stratagem contract: name a strategy (`stratagem contract fsdp`) or a launcher "
+            "(`stratagem contract --launcher ray`); `stratagem strategies` and `stratagem launchers` list them.",
+            file=sys.stderr,
+        )
+        return 2
     # A subprocess: the suite launches workers and imports the strategies; this process stays clean.
-    return subprocess.call(pytest_command(args.names, shlex.split(args.pytest_args)))
+    return subprocess.call(pytest_command(args.names, shlex.split(args.pytest_args), args.launcher))
 
 
 cli._PARSER_EXTENSIONS.append(_add_parser)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from stratagem._failures import FAILURE_SUFFIX, describe
+from stratagem._failures import FAILURE_SUFFIX, describe, lost_peer
 from stratagem.errors import ConfigurationError, WorkerFailedError
 
 #: Set in every worker stratagem starts, so that nothing in it launches again.
@@ -275,16 +275,25 @@ def call_recording(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     except BaseException as error:
         if not isinstance(error, SystemExit):
-            _note_failure_time()
+            _note_failure_time(error)
         raise
 
 
-def _note_failure_time() -> None:
+#: A worker whose collective lost its peer waits this long before exiting, so that the peer's own failure (the
+#: cause) reaches the agent first; the agent stops this worker as soon as it does.
+LOST_PEER_GRACE_S = 3.0
+
+
+def _note_failure_time(error: BaseException | None = None) -> None:
+    text = "" if error is None else "".join(traceback.format_exception_only(type(error), error))
+    consequence = lost_peer(text)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with contextlib.suppress(OSError):
             with open(path + FAILURE_SUFFIX, "w") as file:
-                json.dump({"time": time.time()}, file)
+                json.dump({"time": time.time(), "lost_peer": consequence}, file)
+    if consequence:
+        time.sleep(LOST_PEER_GRACE_S)
 
 
 def record_exception(kind: type[BaseException], value: BaseException, tb: Any) -> bool:
@@ -306,7 +315,7 @@ def record_exception(kind: type[BaseException], value: BaseException, tb: Any) -
             json.dump(data, file)
     except OSError:
         return False
-    _note_failure_time()
+    _note_failure_time(value)
     return True
 
 

@@ -1,7 +1,9 @@
-"""The pytest plugin registered under ``pytest11``. Inert unless ``--stratagem-strategy`` is given.
+"""The pytest plugin registered under ``pytest11``. Inert unless ``--stratagem-strategy`` or
+``--stratagem-launcher`` is given.
 
 It imports nothing heavy: a project's own pytest run pays only for this module. The contract checks live in
-``stratagem.contract`` and run with ``pytest --pyargs stratagem.contract --stratagem-strategy NAME``.
+``stratagem.contract`` and run with ``pytest --pyargs stratagem.contract --stratagem-strategy NAME`` (a
+strategy) or ``--stratagem-launcher NAME`` (a launcher: ``stratagem.contract.test_launcher``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from typing import Any
 import pytest
 
 OPTION = "--stratagem-strategy"
+LAUNCHER_OPTION = "--stratagem-launcher"
 _NAMES = pytest.StashKey[list]()
+_LAUNCHERS = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -23,6 +27,13 @@ def pytest_addoption(parser: Any) -> None:
         metavar="NAME",
         help="certify this strategy with `pytest --pyargs stratagem.contract` (repeatable; 'all' for every one)",
     )
+    group.addoption(
+        LAUNCHER_OPTION,
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="certify this launcher with `pytest --pyargs stratagem.contract` (repeatable; 'all' for every one)",
+    )
 
 
 def pytest_configure(config: Any) -> None:
@@ -31,6 +42,7 @@ def pytest_configure(config: Any) -> None:
     config.addinivalue_line("markers", "timeout(seconds): fail a test that runs longer (pytest-timeout)")
     # Checked now, so that a wrong name is one clear usage error rather than an error per test module.
     config.stash[_NAMES] = selected_strategies(config)
+    config.stash[_LAUNCHERS] = selected_launchers(config)
 
 
 def selected_strategies(config: Any) -> list[str]:
@@ -54,21 +66,63 @@ def selected_strategies(config: Any) -> list[str]:
     return names
 
 
+def selected_launchers(config: Any) -> list[str]:
+    """The launcher names asked for, with ``all`` expanded; an unknown name is a usage error."""
+    requested = [
+        n.strip() for value in config.getoption(LAUNCHER_OPTION) or [] for n in value.split(",") if n.strip()
+    ]
+    if not requested:
+        return []
+    from stratagem._manager import get_registry
+    from stratagem.errors import StratagemError
+
+    registry = get_registry()
+    names: list[str] = []
+    for name in requested:
+        for resolved in sorted(registry.launchers) if name == "all" else [name]:
+            try:
+                registry.get_launcher(resolved)
+            except StratagemError as error:
+                raise pytest.UsageError(f"{LAUNCHER_OPTION} {resolved}: {error}") from None
+            if resolved not in names:
+                names.append(resolved)
+    return names
+
+
 def pytest_generate_tests(metafunc: Any) -> None:
     if "stratagem_strategy" in metafunc.fixturenames:
         names = metafunc.config.stash[_NAMES]
         # Session scope: every check of one strategy shares one pair of launches.
         metafunc.parametrize("stratagem_strategy", names, ids=names, scope="session")
+    if "stratagem_launcher" in metafunc.fixturenames:
+        names = metafunc.config.stash[_LAUNCHERS]
+        metafunc.parametrize("stratagem_launcher", names, ids=names, scope="session")
 
 
 def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
-    wants = [item for item in items if "stratagem_strategy" in getattr(item, "fixturenames", ())]
-    if wants and not config.getoption(OPTION):
+    strategies, launchers = config.stash[_NAMES], config.stash[_LAUNCHERS]
+    wanted = {"stratagem_strategy": strategies, "stratagem_launcher": launchers}
+    if not any(any(k in getattr(item, "fixturenames", ()) for k in wanted) for item in items):
+        return  # not the contract suite: a project's own tests
+    if not strategies and not launchers:
         raise pytest.UsageError(
-            f"The stratagem contract suite certifies a strategy: pass {OPTION} NAME (repeatable, or 'all'), "
-            "e.g. `pytest --pyargs stratagem.contract --stratagem-strategy single_device`, or run "
-            "`stratagem contract NAME`. `stratagem strategies` lists the installed names."
+            f"The stratagem contract suite certifies a strategy or a launcher: pass {OPTION} NAME or "
+            f"{LAUNCHER_OPTION} NAME (repeatable, or 'all'), e.g. `pytest --pyargs stratagem.contract "
+            "--stratagem-strategy single_device`, or run `stratagem contract NAME` / `stratagem contract "
+            "--launcher NAME`. `stratagem strategies` and `stratagem launchers` list the installed names."
         )
+    # Certifying only launchers (or only strategies): the other section's checks are not collected at all,
+    # rather than reported as skipped.
+    kept, dropped = [], []
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if any(key in names and not given for key, given in wanted.items()):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")
@@ -87,3 +141,11 @@ def contract_run(contract_subject: Any, tmp_path_factory: Any) -> Any:
     from stratagem.testing._runner import run
 
     return run(contract_subject, tmp_path_factory.mktemp(f"contract-{contract_subject.name}"))
+
+
+@pytest.fixture(scope="session")
+def launcher_run(stratagem_launcher: str, tmp_path_factory: Any) -> Any:
+    """The launcher section's three launches for the launcher under test, made once."""
+    from stratagem.testing._launcher_runner import run
+
+    return run(stratagem_launcher, tmp_path_factory.mktemp(f"launcher-{stratagem_launcher}"))
