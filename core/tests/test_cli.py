@@ -33,12 +33,13 @@ def test_every_installed_plugin_is_listed_with_what_it_registers_or_its_error():
     assert listing["conflicts"] == []
 
 
-def test_strategies_does_not_import_torch():
+def test_listings_do_not_import_torch_or_the_plugins_dependencies():
     code = (
         "import sys, io, contextlib\n"
         "from stratagem.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()): main(['strategies'])\n"
-        "heavy = [m for m in ('torch', 'deepspeed', 'numpy') if m in sys.modules]\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['launchers'])\n"
+        "heavy = [m for m in ('torch', 'deepspeed', 'numpy', 'ray') if m in sys.modules]\n"
         "print(heavy)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
