@@ -69,7 +69,7 @@ if FRAMEWORK == "stratagem":
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     trainer = sg.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=STEPS, enable_progress_bar=False,
-                         default_root_dir=OUT + ".d", launcher=LAUNCHER, enable_checkpointing=False)
+                         default_root_dir=OUT + ".d", launcher=LAUNCHER)
     trainer.fit(M(), data)
 else:
     import lightning as L

@@ -13,6 +13,43 @@ from stratagem.errors import ConfigurationError
 from stratagem.hookspecs import hookimpl
 from stratagem.strategies.base import Strategy, _check_op
 
+#: At exit, how long C++ threads get to drop what they still hold before the interpreter is torn down.
+EXIT_QUIESCE_S = 0.2
+_quiesce_registered = False
+
+
+def _quiesce_at_exit() -> None:
+    """Register, once per process, an exit handler that ends distributed work while Python is fully alive.
+
+    A process group's C++ threads (gloo's workers) can still hold the last reference to a tensor that Python
+    created when the main thread reaches interpreter shutdown; releasing it needs the interpreter, and a thread
+    that asks for it during finalization is ended mid-way, which aborts the process ("terminate called without
+    an active exception", SIGABRT) after a run that finished. The handler runs before finalization: it
+    destroys a group the script left alive, collects garbage (dropping Python's side of such tensors), and
+    gives the threads a moment to let go.
+    """
+    global _quiesce_registered
+    if _quiesce_registered:
+        return
+    import atexit
+
+    atexit.register(_quiesce)
+    _quiesce_registered = True
+
+
+def _quiesce() -> None:
+    import gc
+    import time
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # exiting anyway; a peer may be gone
+            pass
+    gc.collect()
+    time.sleep(EXIT_QUIESCE_S)
+
+
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -77,6 +114,7 @@ class TorchDistributedStrategy(Strategy):
             **kwargs,
         )
         self._owns_group = True
+        _quiesce_at_exit()
 
     # collectives -----------------------------------------------------------------------------------
     @hookimpl
