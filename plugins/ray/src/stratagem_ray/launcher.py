@@ -172,6 +172,9 @@ class RayLauncher(Launcher):
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=rank
                 ),
+                # The job's environment from the start of the worker process: some of it is read only then
+                # (glibc's malloc settings, OMP_NUM_THREADS), so the workers run as the elastic launcher's do.
+                runtime_env={"env_vars": {k: str(v) for k, v in job.env.items()}},
             ).remote(rank)
             for rank in range(world)
         ]
