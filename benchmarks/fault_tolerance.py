@@ -144,7 +144,8 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.boxplot(list(latencies.values()), labels=list(latencies))
+        ax.boxplot(list(latencies.values()))
+        ax.set_xticks(range(1, len(latencies) + 1), list(latencies))
         ax.set_ylabel("seconds from SIGKILL to training again")
         ax.set_title(f"Restart latency, 2 processes, {args.trials} kills each")
         fig.tight_layout()

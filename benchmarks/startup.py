@@ -186,6 +186,7 @@ def main() -> None:
         "--steps", type=int, default=80, help="steps of each steady-step run (with --launchers)"
     )
     parser.add_argument("--width", type=int, default=1024, help="hidden width of the steady-step model")
+    parser.add_argument("--steady-only", action="store_true", help="with --launchers: only the steady step")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="stratagem-startup-"))
     script = workdir / "script.py"
@@ -196,6 +197,9 @@ def main() -> None:
         if args.launchers:
             address = stack.enter_context(running_ray_cluster(workdir))
             variants += ["ray (local cluster)", "ray (running cluster)"]
+        if args.launchers and args.steady_only:
+            steady(script, workdir, args, address)
+            return
         times: dict[str, list[float]] = {name: [] for name in variants}
         for name in variants:  # warm-up: file caches
             time_to_first_step(script, name, workdir, address)
