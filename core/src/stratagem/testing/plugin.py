@@ -47,43 +47,34 @@ def pytest_configure(config: Any) -> None:
 
 def selected_strategies(config: Any) -> list[str]:
     """The strategy names asked for, with ``all`` expanded; an unknown name is a usage error."""
-    requested = [n.strip() for value in config.getoption(OPTION) or [] for n in value.split(",") if n.strip()]
-    if not requested:
-        return []
-    from stratagem._manager import get_registry
-    from stratagem.errors import StratagemError
-
-    registry = get_registry()
-    names: list[str] = []
-    for name in requested:
-        for resolved in registry.names() if name == "all" else [name]:
-            try:
-                registry.get(resolved)
-            except StratagemError as error:
-                raise pytest.UsageError(f"{OPTION} {resolved}: {error}") from None
-            if resolved not in names:
-                names.append(resolved)
-    return names
+    return _selected(config, OPTION, "strategy")
 
 
 def selected_launchers(config: Any) -> list[str]:
     """The launcher names asked for, with ``all`` expanded; an unknown name is a usage error."""
-    requested = [
-        n.strip() for value in config.getoption(LAUNCHER_OPTION) or [] for n in value.split(",") if n.strip()
-    ]
+    return _selected(config, LAUNCHER_OPTION, "launcher")
+
+
+def _selected(config: Any, option: str, kind: str) -> list[str]:
+    requested = [n.strip() for value in config.getoption(option) or [] for n in value.split(",") if n.strip()]
     if not requested:
         return []
     from stratagem._manager import get_registry
     from stratagem.errors import StratagemError
 
     registry = get_registry()
+    every, look_up = (
+        (registry.names(), registry.get)
+        if kind == "strategy"
+        else (sorted(registry.launchers), registry.get_launcher)
+    )
     names: list[str] = []
     for name in requested:
-        for resolved in sorted(registry.launchers) if name == "all" else [name]:
+        for resolved in every if name == "all" else [name]:
             try:
-                registry.get_launcher(resolved)
+                look_up(resolved)
             except StratagemError as error:
-                raise pytest.UsageError(f"{LAUNCHER_OPTION} {resolved}: {error}") from None
+                raise pytest.UsageError(f"{option} {resolved}: {error}") from None
             if resolved not in names:
                 names.append(resolved)
     return names
