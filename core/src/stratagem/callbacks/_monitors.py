@@ -81,7 +81,12 @@ class Throughput:
 
     @hookimpl
     def on_fit_start(self) -> None:
-        self._start, self._samples, self._paused = time.perf_counter(), 0, 0.0
+        self._start, self._samples, self._paused = None, 0, 0.0
+
+    @hookimpl
+    def on_train_batch_start(self) -> None:
+        if self._start is None:  # the clock starts with the first batch, not with the loggers' set-up
+            self._start = time.perf_counter()
 
     @hookimpl
     def on_train_batch_end(self, trainer: Any, batch: Any) -> None:
