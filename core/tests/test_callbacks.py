@@ -76,6 +76,13 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     command += ["--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
+        during_run = listener.connections
+        # The counter itself works: one connection of ours is seen.
+        socket.create_connection(("127.0.0.1", listener.port), timeout=5).close()
+        deadline = time.monotonic() + 5
+        while listener.connections == during_run and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert listener.connections == during_run + 1
     finally:
         listener.close()
     assert done.returncode == 0, done.stderr[-5000:]
@@ -85,7 +92,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "root": tmp / "root",
         "ranks": ranks,
         "stdout": done.stdout,
-        "wandb_connections": listener.connections,
+        "wandb_connections": during_run,
     }
 
 

@@ -18,11 +18,9 @@ _MARKER = f"{hookspecs.PROJECT_NAME}_impl"
 
 
 def _implements_an_event(obj: object) -> bool:
-    return any(
-        getattr(getattr(type(obj), a, None), _MARKER, None) is not None for a in dir(type(obj))
-    ) or any(
-        getattr(getattr(obj, a, None), _MARKER, None) is not None for a in vars(obj) if not a.startswith("__")
-    )
+    members = [getattr(type(obj), a, None) for a in dir(type(obj))]
+    members += list(getattr(obj, "__dict__", {}).values())
+    return any(getattr(member, _MARKER, None) is not None for member in members)
 
 
 def resolve(items: Any, kind: str) -> list[object]:

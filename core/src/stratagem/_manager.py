@@ -276,12 +276,11 @@ def _check_callback(plugin: object, name: str) -> None:
     import difflib
 
     marker = f"{hookspecs.PROJECT_NAME}_impl"
-    for attr in dir(plugin):
-        if attr.startswith("__"):
-            continue
-        opts = getattr(getattr(type(plugin), attr, None), marker, None)
-        if opts is None:
-            opts = getattr(getattr(plugin, attr, None), marker, None)
+    # Class attributes first (without triggering properties), then what the instance itself holds.
+    members = {a: getattr(type(plugin), a, None) for a in dir(type(plugin)) if not a.startswith("__")}
+    members.update({a: v for a, v in getattr(plugin, "__dict__", {}).items() if not a.startswith("__")})
+    for attr, member in members.items():
+        opts = getattr(member, marker, None)
         if opts is None:
             continue
         event = opts.get("specname") or attr
