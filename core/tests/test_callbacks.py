@@ -167,11 +167,18 @@ def test_model_checkpoint_keeps_the_two_best_and_last_across_a_resume(two_ranks:
             ["step-000006-val_score-1.ckpt", 1.0, 6],
             ["step-000009-val_score-4.ckpt", 4.0, 9],
         ]
-        assert result["best_18"] == {
+        resumed, reference = result["best_18"], result["best_reference"]
+        assert {k: resumed[k] for k in ("best", "last", "step")} == {
             "best": [["step-000006-val_score-1.ckpt", 1.0, 6], ["step-000012-val_score-2.ckpt", 2.0, 12]],
             "last": "step-000018-val_score-3.ckpt",
             "step": 18,
         }
+        # Resuming from a checkpoint ModelCheckpoint wrote is exact: the run without a break ends the same.
+        assert (resumed["batches"], reference["batches"]) == (9, 18)
+        assert reference["best"] == resumed["best"] and reference["last"] == resumed["last"]
+        for name, value in reference["params"].items():
+            assert torch.equal(resumed["params"][name], value), name
+        assert not torch.equal(resumed["params"]["net.0.weight"], result["best_9"]["params"]["net.0.weight"])
     assert sorted(p.name for p in directory.iterdir()) == [
         "last",
         "step-000006-val_score-1.ckpt",

@@ -110,8 +110,8 @@ SCORES = {
 class Scored(wl.Regression):
     """The regression model, whose validation logs a scripted per-rank score."""
 
-    def __init__(self, table: str, hparams: dict[str, Any] | None = None) -> None:
-        super().__init__()
+    def __init__(self, table: str, hparams: dict[str, Any] | None = None, dropout: float = 0.0) -> None:
+        super().__init__(dropout=dropout)
         self.table = table
         self.hparams = hparams or {}
 
@@ -189,18 +189,27 @@ def run_checks(root: Path, tracking_uri: str) -> dict[str, Any]:
     t.fit(Scored("early"), DataLoader(wl.dataset(), batch_size=2), DataLoader(wl.dataset(), batch_size=8))
     out["early"] = {"step": t.global_step, "stopped_step": stopper.stopped_step, "best": stopper.best}
 
-    # 3. ModelCheckpoint(save_top_k=2): 9 steps, then a resume to 18 with a fresh callback.
+    # 3. ModelCheckpoint(save_top_k=2): 9 steps, then a resume to 18 with a fresh callback; and the same 18
+    # steps without a break, for the resume's exactness (shuffled data and dropout: every RNG matters).
     best_root = root / "best"
-    for steps, ckpt_path in ((9, None), (18, "last")):
+    for steps, ckpt_path, directory in (
+        (9, None, best_root),
+        (18, "last", best_root),
+        (18, None, root / "ref"),
+    ):
         keeper = ModelCheckpoint(monitor="val_score", mode="min", save_top_k=2)
-        t = trainer(best_root, max_steps=steps, val_check_interval=3, limit_val_batches=1, callbacks=[keeper])
+        t = trainer(directory, max_steps=steps, val_check_interval=3, limit_val_batches=1, callbacks=[keeper])
+        module = Scored("best", dropout=0.2)
         t.fit(
-            Scored("best"),
-            DataLoader(wl.dataset(), batch_size=2),
+            module,
+            DataLoader(wl.dataset(), batch_size=2, shuffle=True),
             DataLoader(wl.dataset(), batch_size=8),
             ckpt_path=ckpt_path,
         )
-        out[f"best_{steps}"] = {"best": keeper.best, "last": keeper.last, "step": t.global_step}
+        key = f"best_{steps}" if directory == best_root else "best_reference"
+        out[key] = {"best": keeper.best, "last": keeper.last, "step": t.global_step}
+        out[key]["params"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        out[key]["batches"] = len(module.losses)  # trained in this fit
 
     # 4. Every logger at once, with the monitors feeding them.
     loggers_root = root / "loggers"
