@@ -178,8 +178,10 @@ class CallbackInfo:
             "description": self.description,
             "distribution": self.plugin.distribution,
             "version": self.plugin.version,
+            "plugin": self.plugin.name,
             "requires": list(self.requires),
             "missing": self.missing_requirements(),
+            "install": " ".join(f"'{r}'" for r in (self.install or self.missing_requirements())),
         }
 
 
