@@ -471,9 +471,10 @@ def on_fit_end(trainer: Any) -> None:
 
 @hookspec
 def on_exception(trainer: Any, exception: BaseException) -> None:
-    """``fit`` is failing with ``exception`` on this rank; it is raised again after the callbacks have run.
+    """An error escaped the training loop on this rank; it is raised again after the callbacks have run.
 
-    Every implementation runs, on the failing rank only (its peers fail when the launcher stops them).
+    Every implementation runs, on the failing rank only (its peers fail when the launcher stops them), for an
+    error between ``on_fit_start`` and ``on_fit_end`` (an error while loading a checkpoint comes before).
 
     :param trainer: the Trainer.
     :param exception: the error.
