@@ -428,6 +428,8 @@ def test_callback_objects_are_checked_when_the_trainer_is_made(tmp_path: Path) -
         _trainer(tmp_path, callbacks=[WrongArgument()])
     with pytest.raises(ConfigurationError, match=r"give an instance, EarlyStopping\(\.\.\.\)"):
         _trainer(tmp_path, callbacks=[EarlyStopping])
+    assert _trainer(tmp_path, loggers=False).loggers == _trainer(tmp_path, loggers=[]).loggers == []
+    assert [type(logger).__name__ for logger in _trainer(tmp_path).loggers] == ["CSVLogger"]
 
 
 PLUGIN = """

@@ -28,6 +28,8 @@ def resolve(items: Any, kind: str) -> list[object]:
     that exist, a missing optional dependency with the pip command); objects are taken as they are."""
     if items is None:
         items = DEFAULT_LOGGERS if kind == "logger" else ()
+    if items is False:  # loggers=False: none, as loggers=[]
+        return []
     if isinstance(items, str) or not isinstance(items, Sequence):
         items = [items]
     resolved: list[object] = []
