@@ -490,14 +490,14 @@ def test_entry_point_callbacks_are_opt_in_and_a_missing_extra_names_the_pip_comm
 
 
 class Paced(wl.Regression):
-    """Each training step takes at least 20 ms and each validation batch 300 ms: a known throughput."""
+    """Each training step takes at least 20 ms and each validation batch 1 s: a known throughput."""
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         time.sleep(0.02)
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        time.sleep(0.3)
+        time.sleep(1.0)
         super().validation_step(batch, batch_idx)
 
 
@@ -506,6 +506,7 @@ def test_throughput_against_a_known_step_time_with_validation_excluded(tmp_path:
 
     trainer = _trainer(
         tmp_path,
+        max_steps=5,
         log_every_n_steps=2,
         val_check_interval=3,
         limit_val_batches=1,
@@ -518,13 +519,13 @@ def test_throughput_against_a_known_step_time_with_validation_excluded(tmp_path:
     trainer.fit(Paced(), loader, loader)
     rows = _csv_rows(tmp_path / "metrics.csv")
     rates = _column(rows, "throughput/samples_per_sec")
-    assert sorted(rates) == [2, 4, 6]
-    # At most 8 samples per 20 ms = 400/s; the loop's own work costs a little (more on a loaded machine). The
-    # window from step 2 to 4 holds a 300 ms validation: counted, it would bring that rate below
-    # 16 / 0.34 s = 47/s.
+    assert sorted(rates) == [2, 4]
+    # At most 8 samples per 20 ms = 400/s; the loop's own work and a loaded machine's late wake-ups cost some.
+    # The window from step 2 to 4 holds the 1 s validation at step 3: counted, it would bring that rate below
+    # 16 / 1.04 s = 15.4/s.
     for step, rate in rates.items():
-        assert 150 < rate <= 400, (step, rate)
+        assert 60 < rate <= 400, (step, rate)
     for step, rate in rates.items():
         assert _column(rows, "throughput/tokens_per_sec")[step] == pytest.approx(10 * rate)
         assert _column(rows, "throughput/mfu")[step] == pytest.approx(rate * 2e6 / 1e9)
-    assert _column(rows, "lr-0/pg0") == {2: 0.05, 4: 0.05, 6: 0.05}
+    assert _column(rows, "lr-0/pg0") == {2: 0.05, 4: 0.05}
