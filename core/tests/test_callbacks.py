@@ -529,3 +529,23 @@ def test_throughput_against_a_known_step_time_with_validation_excluded(tmp_path:
         assert _column(rows, "throughput/tokens_per_sec")[step] == pytest.approx(10 * rate)
         assert _column(rows, "throughput/mfu")[step] == pytest.approx(rate * 2e6 / 1e9)
     assert _column(rows, "lr-0/pg0") == {2: 0.05, 4: 0.05}
+
+
+def test_a_resumed_fit_continues_the_same_mlflow_run(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    from stratagem.loggers import MLflowLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    loader = DataLoader(wl.dataset(), batch_size=8)
+    for steps, ckpt_path in ((4, None), (6, "last")):
+        logger = MLflowLogger(tracking_uri=uri, experiment_name="resume")
+        trainer = _trainer(
+            tmp_path, max_steps=steps, log_every_n_steps=2, checkpoint_every_n_steps=2, loggers=[logger]
+        )
+        trainer.fit(wl.Regression(), loader, ckpt_path=ckpt_path)
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+    assert run.info.run_id == logger.run_id and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == [2, 4, 6]
