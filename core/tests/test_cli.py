@@ -21,13 +21,23 @@ def test_every_installed_plugin_is_listed_with_what_it_registers_or_its_error():
     listing = json.loads(result.stdout)
     launchers = run("launchers", "--json")
     assert launchers.returncode == 0, launchers.stderr
+    callbacks = run("callbacks", "--json")
+    assert callbacks.returncode == 0, callbacks.stderr
+    named = json.loads(callbacks.stdout)
     plugins = (
         {row["plugin"] for row in listing["strategies"]}
         | {row["plugin"] for row in json.loads(launchers.stdout)["launchers"]}
+        | {row["plugin"] for kind in named.values() for row in kind}
         | {b["entry_point"].split(" = ")[0] for b in listing["broken"]}
     )
     installed = {ep.name for ep in importlib_metadata.entry_points(group="stratagem")}
-    assert installed <= plugins, f"entry points without strategies, launchers or errors: {installed - plugins}"
+    assert installed <= plugins, (
+        f"entry points without strategies, launchers or errors: {installed - plugins}"
+    )
+    assert [row["name"] for row in named["loggers"]][:4] == ["csv", "mlflow", "tensorboard", "wandb"]
+    assert {"model_checkpoint", "learning_rate_monitor", "throughput"} <= {
+        r["name"] for r in named["callbacks"]
+    }
     single = next(row for row in listing["strategies"] if row["name"] == "single_device")
     assert single["distribution"] == "stratagem" and single["capabilities"]["world_sizes"] == [1, 1]
     assert listing["conflicts"] == []

@@ -39,10 +39,20 @@ DESIGN_TABLE = {
 }
 #: The launcher plugins' hooks (DESIGN: "where it grows next").
 LAUNCHER_TABLE = {"register_launchers", "launch_workers"}
+#: Callbacks and loggers: their discovery hooks and the Trainer's events (issue 18).
+CALLBACK_TABLE = {"register_callbacks", "register_loggers", *hookspecs.TRAINER_EVENTS}
 
 
 def test_every_design_hook_exists():
-    assert set(HOOKS) == DESIGN_TABLE | LAUNCHER_TABLE
+    assert set(HOOKS) == DESIGN_TABLE | LAUNCHER_TABLE | CALLBACK_TABLE
+
+
+def test_trainer_events_are_broadcast_hooks_and_no_strategy_operation():
+    from stratagem._manager import STRATEGY_HOOKS
+
+    for name in hookspecs.TRAINER_EVENTS:
+        assert not getattr(hookspecs, name).stratagem_spec.get("firstresult"), name
+        assert name not in STRATEGY_HOOKS
 
 
 @pytest.mark.parametrize("name", HOOKS)

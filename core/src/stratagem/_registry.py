@@ -16,6 +16,7 @@ from stratagem.errors import (
     PluginLoadError,
     StrategyConflictError,
     UnknownLauncherError,
+    UnknownNameError,
     UnknownStrategyError,
 )
 
@@ -136,6 +137,54 @@ class LauncherInfo:
         }
 
 
+@attrs.frozen(kw_only=True)
+class CallbackInfo:
+    """One registered callback or logger name (``kind``): created only when a Trainer names it.
+
+    :param requires: distributions it needs, checked through package metadata before anything launches.
+    :param install: what to ``pip install`` when one is missing (default: ``requires``).
+    """
+
+    kind: str
+    name: str
+    factory: type | str = attrs.field(repr=False)
+    description: str
+    requires: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    install: tuple[str, ...] | None = None
+    preset_options: Mapping[str, Any] = attrs.field(factory=dict)
+    plugin: PluginInfo
+
+    def missing_requirements(self) -> list[str]:
+        from stratagem.capabilities import _requirement_installed
+
+        return [r for r in self.requires if not _requirement_installed(r)]
+
+    def check_installed(self) -> None:
+        missing = self.missing_requirements()
+        if missing:
+            raise MissingDependencyError(
+                self.name, missing, kind=self.kind.capitalize(), install=self.install or missing
+            )
+
+    def create(self, **options: Any) -> Any:
+        self.check_installed()
+        cls = _load_factory(self.name, self.factory, self.plugin)
+        return cls(**{**self.preset_options, **options})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "description": self.description,
+            "distribution": self.plugin.distribution,
+            "version": self.plugin.version,
+            "plugin": self.plugin.name,
+            "requires": list(self.requires),
+            "missing": self.missing_requirements(),
+            "install": " ".join(f"'{r}'" for r in (self.install or self.missing_requirements())),
+        }
+
+
 def _load_factory(name: str, factory: type | str, plugin: PluginInfo) -> Any:
     if not isinstance(factory, str):
         return factory
@@ -168,6 +217,46 @@ class Registry:
     broken: list[PluginLoadError] = attrs.field(factory=list)
     conflicts: dict[str, StrategyConflictError] = attrs.field(factory=dict)
     launchers: dict[str, LauncherInfo] = attrs.field(factory=dict)
+    callbacks: dict[str, CallbackInfo] = attrs.field(factory=dict)
+    loggers: dict[str, CallbackInfo] = attrs.field(factory=dict)
+
+    def callback_registrar(self, plugin: PluginInfo, kind: str) -> Callable[..., None]:
+        """The ``register`` callback handed to one plugin's ``register_callbacks`` (or ``register_loggers``)."""
+        table = self.callbacks if kind == "callback" else self.loggers
+
+        def register(
+            name: str,
+            factory: type | str,
+            *,
+            description: str,
+            requires: tuple[str, ...] | list[str] = (),
+            install: tuple[str, ...] | list[str] | str | None = None,
+            **preset_options: Any,
+        ) -> None:
+            _check_registration(kind, name, factory, description)
+            if name in table:
+                raise StrategyConflictError(name, table[name].plugin.distribution, plugin.distribution)
+            table[name] = CallbackInfo(
+                kind=kind,
+                name=name,
+                factory=factory,
+                description=description,
+                requires=tuple(requires),
+                install=(install,)
+                if isinstance(install, str)
+                else (None if install is None else tuple(install)),
+                preset_options=dict(preset_options),
+                plugin=plugin,
+            )
+
+        return register
+
+    def get_callback(self, name: str, kind: str = "callback") -> CallbackInfo:
+        table = self.callbacks if kind == "callback" else self.loggers
+        try:
+            return table[name]
+        except KeyError:
+            raise UnknownNameError(kind, name, table) from None
 
     def launcher_registrar(self, plugin: PluginInfo) -> Callable[..., None]:
         """The ``register`` callback handed to one plugin's ``register_launchers``."""

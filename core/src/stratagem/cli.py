@@ -97,6 +97,28 @@ def _launchers(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("callbacks")
+def _callbacks(args: argparse.Namespace) -> int:
+    from stratagem._manager import get_registry
+
+    registry = get_registry()
+    tables = {"callbacks": registry.callbacks, "loggers": registry.loggers}
+    rows = {kind: [info.to_json() for _, info in sorted(table.items())] for kind, table in tables.items()}
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max([len(r["name"]) for kind in rows.values() for r in kind] + [4])
+    for kind, entries in rows.items():
+        print(f"{kind} (Trainer({kind}=[...]), by name):")
+        for row in entries:
+            print(
+                f"  {row['name']:<{width}}  {row['description']} (from {row['distribution']} {row['version']})"
+            )
+            if row["missing"]:
+                print(f"  {'':<{width}}  needs {', '.join(row['missing'])}: pip install {row['install']}")
+    return 0
+
+
 # -------------------------------------------------------------------------------------------------
 # parser
 # -------------------------------------------------------------------------------------------------
@@ -109,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("strategies", help="list installed strategies and their declared capabilities")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("launchers", help="list installed launchers (how workers start) and what they can run")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("callbacks", help="list the callbacks and loggers a Trainer can name")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     for extend in _PARSER_EXTENSIONS:

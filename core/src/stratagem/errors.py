@@ -55,6 +55,25 @@ class UnknownLauncherError(StratagemError, KeyError):
         return str(self.args[0])
 
 
+class UnknownNameError(StratagemError, KeyError):
+    """A callback or logger name that no installed plugin registers (``kind`` says which)."""
+
+    def __init__(self, kind: str, name: str, installed: Iterable[str]) -> None:
+        self.kind = kind
+        self.name = name
+        self.installed = sorted(installed)
+        close = difflib.get_close_matches(name, self.installed, n=1, cutoff=0.5)
+        self.closest = close[0] if close else None
+        message = f"Unknown {kind} {name!r}."
+        if self.closest:
+            message += f" Did you mean {self.closest!r}?"
+        message += f" Installed {kind}s: {', '.join(self.installed) or '(none)'}."
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class PluginLoadError(StratagemError):
     """A plugin's entry point could not be imported or its ``register_strategies`` failed."""
 
@@ -99,14 +118,21 @@ class CapabilityError(StratagemError, ValueError):
 
 
 class MissingDependencyError(StratagemError, ImportError):
-    """A strategy needs a package that is not installed."""
+    """A strategy (or a launcher, callback, logger: ``kind``) needs a package that is not installed."""
 
-    def __init__(self, strategy: str, requirements: Iterable[str]) -> None:
+    def __init__(
+        self,
+        strategy: str,
+        requirements: Iterable[str],
+        *,
+        kind: str = "Strategy",
+        install: Iterable[str] | None = None,
+    ) -> None:
         self.strategy = strategy
         self.requirements = list(requirements)
-        quoted = " ".join(f"'{r}'" for r in self.requirements)
+        quoted = " ".join(f"'{r}'" for r in (self.requirements if install is None else install))
         super().__init__(
-            f"Strategy {strategy!r} needs {', '.join(self.requirements)}, which is not installed. "
+            f"{kind} {strategy!r} needs {', '.join(self.requirements)}, which is not installed. "
             f"Install it with: pip install {quoted}"
         )
 

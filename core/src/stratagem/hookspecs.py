@@ -4,6 +4,9 @@ Strategy operations are ``firstresult``: the chosen strategy is the only plain i
 add-on plugins (compile, profiling, ...) may only wrap them with ``@hookimpl(wrapper=True)``; the plugin
 manager refuses anything else, so "the first non-``None`` result" is always the strategy's.
 
+Trainer events (the last group) are a second kind: broadcast hooks that every callback and logger registered
+for one Trainer implements as it likes; every implementation runs, and none returns anything.
+
 Hooks are called with keyword arguments only, and an implementation may accept fewer arguments than the spec
 offers, so a spec can grow without breaking plugins. This module imports nothing heavy: the types below are
 for readers and type checkers only.
@@ -298,3 +301,224 @@ def launch_workers(job: LaunchJob) -> dict[int, Any]:
 
     :param job: what to run and where (:class:`stratagem.launchers.LaunchJob`).
     """
+
+
+# -------------------------------------------------------------------------------------------------
+# callbacks and loggers: discovery (a third kind of plugin, registered in the same group)
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def register_callbacks(register: Callable[..., None]) -> None:
+    """Register the callbacks a plugin provides, by name.
+
+    Called once per plugin when the registry is first built; every implementation runs. A registered callback
+    is only ever used when a Trainer names it (``Trainer(callbacks=["name"])``): installing a plugin activates
+    nothing. Must not import heavy modules: pass a ``"pkg.module:Class"`` string as factory.
+
+    :param register: ``register(name, factory, *, description, requires=(), install=None, **preset_options)``.
+    """
+
+
+@hookspec
+def register_loggers(register: Callable[..., None]) -> None:
+    """Register the loggers (experiment trackers) a plugin provides, by name.
+
+    Called once per plugin when the registry is first built; every implementation runs. A registered logger is
+    used only when a Trainer names it (``Trainer(loggers=["name"])``).
+
+    :param register: ``register(name, factory, *, description, requires=(), install=None, **preset_options)``;
+        ``requires`` names the distributions it needs (checked before anything launches), ``install`` what
+        to tell the user to ``pip install`` when one is missing.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# Trainer events: implemented by the callbacks and loggers of one Trainer (every implementation runs)
+# -------------------------------------------------------------------------------------------------
+# In the order a run meets them; docs/hooks.md gives the exact sequence. Every training event runs on every
+# rank (a callback decides what is rank-0 only); the two logging events run on global rank 0 only.
+
+
+@hookspec
+def on_fit_start(trainer: Any) -> None:
+    """Training is about to begin: the model is set up and any checkpoint has been loaded.
+
+    Every implementation runs, on every rank.
+
+    :param trainer: the Trainer (``global_step``, ``engine``, ``logged_metrics``, ``should_stop``, ...).
+    """
+
+
+@hookspec
+def on_train_epoch_start(trainer: Any, epoch: int) -> None:
+    """An epoch of the training data begins (also a resumed epoch that continues from its middle).
+
+    Every implementation runs, on every rank.
+
+    :param trainer: the Trainer.
+    :param epoch: the epoch, counted from 0.
+    """
+
+
+@hookspec
+def on_train_batch_start(trainer: Any, batch: Any, batch_idx: int) -> None:
+    """A batch is about to go through ``training_step`` (every batch, also those of an accumulation).
+
+    Every implementation runs, on every rank.
+
+    :param trainer: the Trainer.
+    :param batch: the batch, on the device.
+    :param batch_idx: its index in the epoch.
+    """
+
+
+@hookspec
+def on_before_optimizer_step(trainer: Any, optimizer: Any, step: int) -> None:
+    """The gradients of an accumulation are complete and about to be applied (before clipping).
+
+    Every implementation runs, on every rank, once per optimizer at each optimizer step.
+
+    :param trainer: the Trainer.
+    :param optimizer: the optimizer about to step; its parameters' ``.grad`` hold the gradients.
+    :param step: optimizer steps taken so far (this one not counted yet).
+    """
+
+
+@hookspec
+def on_train_batch_end(trainer: Any, outputs: Any, batch: Any, batch_idx: int, step: int) -> None:
+    """A batch is done: after its backward and, at the end of an accumulation, the optimizer step.
+
+    Every implementation runs, on every rank. Values a callback logs here with ``trainer.log`` join this
+    step's metrics when it is a logging step.
+
+    :param trainer: the Trainer.
+    :param outputs: what ``training_step`` returned (the loss, or a dict with ``"loss"``).
+    :param batch: the batch.
+    :param batch_idx: its index in the epoch.
+    :param step: optimizer steps taken, including this batch's if it completed an accumulation.
+    """
+
+
+@hookspec
+def on_validation_start(trainer: Any) -> None:
+    """Validation is about to run (``val_check_interval``, the end of an epoch, or ``Trainer.validate``).
+
+    Every implementation runs, on every rank.
+
+    :param trainer: the Trainer.
+    """
+
+
+@hookspec
+def on_validation_end(trainer: Any, metrics: dict[str, float]) -> None:
+    """Validation is done and its metrics are reduced across ranks (the same values on every rank).
+
+    Every implementation runs, on every rank. Early stopping and best-k checkpoints decide here.
+
+    :param trainer: the Trainer.
+    :param metrics: the validation metrics, reduced across ranks.
+    """
+
+
+@hookspec
+def on_save_checkpoint(trainer: Any, path: str, state: dict[str, Any]) -> None:
+    """A checkpoint is being written: put this callback's own state into ``state``.
+
+    Every implementation runs, on every rank, each with a dict of its own (plain tensors, numbers, strings,
+    lists and dicts only: checkpoints load with ``weights_only=True``). It comes back in
+    :func:`on_load_checkpoint` when training resumes.
+
+    :param trainer: the Trainer.
+    :param path: where the checkpoint goes.
+    :param state: this callback's entry in the checkpoint, empty; fill it.
+    """
+
+
+@hookspec
+def on_load_checkpoint(trainer: Any, path: str, state: dict[str, Any]) -> None:
+    """Training resumes from a checkpoint: restore what :func:`on_save_checkpoint` stored.
+
+    Every implementation runs, on every rank, each with its own entry (not called for a callback the
+    checkpoint holds nothing for).
+
+    :param trainer: the Trainer.
+    :param path: the checkpoint being loaded.
+    :param state: what this callback stored.
+    """
+
+
+@hookspec
+def on_train_epoch_end(trainer: Any, epoch: int) -> None:
+    """An epoch of the training data is done (after the validation that ends it, if any).
+
+    Every implementation runs, on every rank.
+
+    :param trainer: the Trainer.
+    :param epoch: the epoch that ended, counted from 0.
+    """
+
+
+@hookspec
+def on_fit_end(trainer: Any) -> None:
+    """Training is done (the last step, or a stop requested through ``trainer.should_stop``).
+
+    Every implementation runs, on every rank. Loggers close their runs here.
+
+    :param trainer: the Trainer.
+    """
+
+
+@hookspec
+def on_exception(trainer: Any, exception: BaseException) -> None:
+    """An error escaped the training loop on this rank; it is raised again after the callbacks have run.
+
+    Every implementation runs, on the failing rank only (its peers fail when the launcher stops them), for an
+    error between ``on_fit_start`` and ``on_fit_end`` (an error while loading a checkpoint comes before).
+
+    :param trainer: the Trainer.
+    :param exception: the error.
+    """
+
+
+@hookspec
+def log_hyperparams(trainer: Any, params: dict[str, Any]) -> None:
+    """Record the run's hyperparameters, once per ``fit``, before the first step.
+
+    Every implementation runs, on global rank 0 only.
+
+    :param trainer: the Trainer.
+    :param params: ``{"trainer/max_steps": 100, "strategy/name": "ddp", "model/lr": 0.1, ...}``; values are
+        numbers, booleans, strings or ``None``.
+    """
+
+
+@hookspec
+def log_metrics(trainer: Any, metrics: dict[str, float], step: int) -> None:
+    """Record metrics reduced across ranks, at the Trainer's logging steps and after each validation.
+
+    Every implementation runs, on global rank 0 only.
+
+    :param trainer: the Trainer.
+    :param metrics: metric name to value, reduced across ranks.
+    :param step: the optimizer step they belong to.
+    """
+
+
+#: The Trainer's events, in the order docs/hooks.md describes them.
+TRAINER_EVENTS = (
+    "on_fit_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "on_train_epoch_end",
+    "on_fit_end",
+    "on_exception",
+    "log_hyperparams",
+    "log_metrics",
+)

@@ -1,5 +1,6 @@
 """``stratagem.Trainer``: the fit loop (accumulation, clipping, validation, logging, periodic checkpoints and
-exact resume) on top of one :class:`~stratagem.engine.Engine`."""
+exact resume) on top of one :class:`~stratagem.engine.Engine`, with its events sent to the callbacks and
+loggers it was given (see the Trainer events in :mod:`stratagem.hookspecs`)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import atexit
 import contextlib
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from stratagem import _rerun, launcher
-from stratagem._logging import CsvLog, MetricStore
+from stratagem import _callbacks, _rerun, launcher
+from stratagem._logging import MetricStore
+from stratagem._manager import TrainerEventHooks
 from stratagem._model_calls import loss_of, redirected_forward, to_device
 from stratagem._optimizers import Scheduler, parse_optimizers
 from stratagem._options import TrainerOptions
@@ -64,6 +67,12 @@ class Trainer:
     :param restart_from_scratch: allow ``max_restarts`` without any checkpoint cadence (a restart then begins at
         step 0); refused otherwise.
     :param launcher: how the workers start (see :class:`~stratagem.Engine`): ``"auto"``, a name, or an instance.
+    :param callbacks: objects whose methods implement Trainer events with ``@stratagem.hookimpl``
+        (:mod:`stratagem.callbacks` has ``EarlyStopping``, ``ModelCheckpoint``, ``LearningRateMonitor``,
+        ``Throughput``), or names registered by installed plugins. They run in the order given, on every rank.
+    :param loggers: names (``"csv"``, ``"tensorboard"``, ``"mlflow"``, ``"wandb"``) or instances (see
+        :mod:`stratagem.loggers`); default ``["csv"]`` (``metrics.csv`` under ``default_root_dir``); ``[]`` for
+        none. They write from global rank 0 only.
     """
 
     def __init__(
@@ -93,6 +102,8 @@ class Trainer:
         checkpoint_every_n_minutes: float | None = None,
         restart_from_scratch: bool = False,
         launcher: Any = "auto",
+        callbacks: Any = None,
+        loggers: Any = None,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -151,6 +162,17 @@ class Trainer:
         self._resume: dict[str, Any] | None = None
         self._bar: ProgressBar | None = None
         self._last_saved_step: int | None = None
+        # Names are resolved here, before anything launches: an unknown name or a missing extra fails now.
+        self.callbacks = _callbacks.resolve(callbacks, "callback")
+        self.loggers = _callbacks.resolve(loggers, "logger")
+        self._events = TrainerEventHooks(_callbacks.named(self.callbacks + self.loggers))
+        #: Set it (on any rank) to end ``fit``: the ranks agree after each validation, at each logging step
+        #: and at the end of each epoch, and stop at the same step.
+        self.should_stop = False
+        #: The checkpoint the current ``fit`` resumed from, if any.
+        self.ckpt_path: Path | None = None
+        self._logging = False
+        self._stepped = False
 
     # properties ------------------------------------------------------------------------------------
     @property
@@ -176,6 +198,12 @@ class Trainer:
     @property
     def checkpoint_dir(self) -> Path:
         return self.options.default_root_dir / CHECKPOINT_DIR
+
+    @property
+    def is_logging_step(self) -> bool:
+        """In ``on_train_batch_end``: whether this batch completed an optimizer step whose metrics are reduced
+        and written now (every ``log_every_n_steps``); values ``trainer.log`` records then are among them."""
+        return self._stepped and self.position.step % self.options.log_every_n_steps == 0
 
     @property
     def checkpoint_format(self) -> str:
@@ -219,7 +247,8 @@ class Trainer:
             self.print(report)
         train_loader = self._prepare_loader(train_dataloaders)
         val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
-        self._fit_loop(train_loader, val_loader, resumed=resume_from is not None)
+        self.ckpt_path = resume_from
+        self._fit_loop(train_loader, val_loader)
 
     def validate(self, model: Module | None = None, dataloaders: Any = None) -> dict[str, float]:
         """Run ``validation_step`` over ``dataloaders``; return the metrics, reduced across ranks."""
@@ -251,9 +280,16 @@ class Trainer:
                 "accumulate_grad_batches": self.options.accumulate_grad_batches,
             },
         )
+        if "on_save_checkpoint" in self._events.implemented:
+            state["callbacks"] = PerRank(self._events.collect_states(self, str(path)))
         self.engine.save(path, state, format=format or self.checkpoint_format)
         self._last_saved_step = self.position.step
         self._recovery.saved()
+
+    def log(self, name: str, value: Any, *, prog_bar: bool = False, reduce: str = "mean") -> None:
+        """Record a metric from a callback, like ``Module.log``: reduced across ranks (log it on every rank)
+        and written at the next logging step."""
+        self._log_metric(name, value, prog_bar=prog_bar, reduce=reduce)
 
     def print(self, *args: Any) -> None:
         """Print on rank 0 (above the progress bar while it runs); nothing in a process that only launches."""
@@ -418,6 +454,8 @@ class Trainer:
             self.print(message)
         assert self.module is not None
         self.module.on_load_checkpoint(dict(rest.get("extras") or {}))
+        if isinstance(rest.get("callbacks"), dict):
+            self._events.restore_states(self, str(path), rest["callbacks"])
         self._last_saved_step = self.position.step
         self.print(f"Resumed from {path} at step {self.position.step} (epoch {self.position.epoch}).")
 
@@ -430,7 +468,7 @@ class Trainer:
                 prune(self.checkpoint_dir, keep=self.options.keep_last_k, protect=name)
 
     # the loop --------------------------------------------------------------------------------------
-    def _fit_loop(self, loader: Any, val_loader: Any, *, resumed: bool) -> None:
+    def _fit_loop(self, loader: Any, val_loader: Any) -> None:
         opts = self.options
         max_epochs = opts.max_epochs if (opts.max_epochs or opts.max_steps) else 1
         accumulate = opts.accumulate_grad_batches
@@ -440,19 +478,19 @@ class Trainer:
         if max_epochs is not None and steps_per_epoch is not None:
             by_epochs = max_epochs * steps_per_epoch
             total = by_epochs if total is None else min(total, by_epochs)
-        csv_log = CsvLog(opts.default_root_dir / "metrics.csv", enabled=self.engine.is_global_zero)
-        if resumed:
-            csv_log.resume_after(self.position.step)
-        else:
-            csv_log.start_fresh()
-        self._csv = csv_log
         self._bar = ProgressBar(enabled=self.engine.is_global_zero and opts.enable_progress_bar)
         self._bar.start(total=total, step=self.position.step)
         assert self.model is not None
         self.model.train()
         recovery = self._recovery
         recovery.start()
+        events = self._events
+        self.should_stop = False
         try:
+            events.call("on_fit_start", trainer=self)
+            if self.engine.is_global_zero:
+                events.call("log_hyperparams", trainer=self, params=_callbacks.hyperparameters(self))
+            self._logging = True
             self._epochs(loader, val_loader, max_epochs, length)
             if self._train_metrics:
                 self._log_train_metrics()
@@ -461,6 +499,10 @@ class Trainer:
             )
             if periodic and self._last_saved_step != self.position.step:
                 self._save_periodic()
+            events.call("on_fit_end", trainer=self)
+        except Exception as error:
+            self._on_exception(error)
+            raise
         finally:
             recovery.stop()
             self._bar.close()
@@ -468,6 +510,21 @@ class Trainer:
         if summary is not None:
             self.print(summary)
         self.engine.barrier("fit-end")
+
+    def _on_exception(self, error: Exception) -> None:
+        try:
+            self._events.call("on_exception", trainer=self, exception=error)
+        except Exception as also:  # the original error is the one to report
+            print(
+                f"stratagem: on_exception of a callback raised {type(also).__name__}: {also}", file=sys.stderr
+            )
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank asked to stop (every rank calls this at the same points: it is a collective)."""
+        if self.engine.world_size > 1:
+            flag = torch.tensor([float(self.should_stop)], dtype=torch.float64, device=self.engine.device)
+            self.should_stop = bool(self.engine.all_reduce(flag, "max").item())
+        return self.should_stop
 
     def _done(self, max_epochs: int | None) -> bool:
         max_steps = self.options.max_steps
@@ -479,11 +536,14 @@ class Trainer:
         position = self.position
         while not self._done(max_epochs):
             iterator = self._start_epoch(loader)
+            self._events.call("on_train_epoch_start", trainer=self, epoch=position.epoch)
             for batch in iterator:
                 last_of_epoch = length is not None and position.batch_in_epoch + 1 == length
                 if self._train_batch(batch, last_of_epoch, val_loader):
                     return
             self._end_epoch(val_loader)
+            if self._stop_agreed():
+                return
 
     def _start_epoch(self, loader: Any) -> Any:
         resume, self._resume = self._resume, None
@@ -491,14 +551,18 @@ class Trainer:
         return iterator
 
     def _end_epoch(self, val_loader: Any) -> None:
+        ended = self.position.epoch
         for scheduler in self.lr_schedulers:
-            if scheduler.interval == "epoch" and (self.position.epoch + 1) % scheduler.frequency == 0:
+            if scheduler.interval == "epoch" and (ended + 1) % scheduler.frequency == 0:
                 scheduler.scheduler.step()
-        if val_loader is not None and self.options.val_check_interval is None:
-            self._run_validation(val_loader)
+        # The position moves on before the epoch's validation, so that a checkpoint written there (a best-k
+        # one) resumes at the next epoch rather than replaying this epoch's end.
         self.position.epoch += 1
         self.position.batch_in_epoch = 0
         self._epoch_rng = None
+        if val_loader is not None and self.options.val_check_interval is None:
+            self._run_validation(val_loader, epoch=ended)
+        self._events.call("on_train_epoch_end", trainer=self, epoch=ended)
 
     def _train_batch(self, batch: Any, last_of_epoch: bool, val_loader: Any) -> bool:
         """One batch; an optimizer step at the end of each accumulation. True when training is done."""
@@ -509,6 +573,8 @@ class Trainer:
         beat(position.step, batch_idx, "training_step")
         if engine.device.type != "cpu":
             batch = to_device(batch, engine.device)
+        events = self._events
+        events.call("on_train_batch_start", trainer=self, batch=batch, batch_idx=batch_idx)
         with engine.no_sync(self.model, enabled=not boundary):
             with engine.forward_context():
                 output = self._call("training_step", batch, batch_idx)
@@ -519,34 +585,58 @@ class Trainer:
             )
         self._train_metrics.add("loss", loss.detach())
         position.batch_in_epoch = batch_idx + 1
+        self._stepped = boundary
         if not boundary:
+            events.call(
+                "on_train_batch_end",
+                trainer=self,
+                outputs=output,
+                batch=batch,
+                batch_idx=batch_idx,
+                step=position.step,
+            )
             beat(position.step, batch_idx + 1, "data")
             return False
         beat(position.step, batch_idx, "optimizer_step")
         self._optimizer_step()
         position.step += 1
         self._recovery.step_done(position.step)
-        if position.step % opts.log_every_n_steps == 0:
+        events.call(
+            "on_train_batch_end",
+            trainer=self,
+            outputs=output,
+            batch=batch,
+            batch_idx=batch_idx,
+            step=position.step,
+        )
+        logging = position.step % opts.log_every_n_steps == 0
+        if logging:
             beat(position.step, batch_idx, "logging")
             self._log_train_metrics()
         assert self._bar is not None
         self._bar.update(position.step)
-        if (
+        validating = bool(
             val_loader is not None
             and opts.val_check_interval
             and position.step % opts.val_check_interval == 0
-        ):
+        )
+        if validating:
             self._run_validation(val_loader)
         by_steps = opts.checkpoint_every_n_steps and position.step % opts.checkpoint_every_n_steps == 0
         if self._recovery.save_due() or by_steps:
             beat(position.step, batch_idx, "checkpoint")
             self._save_periodic()
         beat(position.step, batch_idx + 1, "data")
+        if (logging or validating) and self._stop_agreed():
+            return True
         return opts.max_steps is not None and position.step >= opts.max_steps
 
     def _optimizer_step(self) -> None:
         clip = self.options.gradient_clip_val
         for optimizer in self.optimizers:
+            self._events.call(
+                "on_before_optimizer_step", trainer=self, optimizer=optimizer, step=self.position.step
+            )
             if clip is not None:
                 self.engine.clip_gradients(self.model, optimizer, clip)
             optimizer.step()
@@ -578,16 +668,23 @@ class Trainer:
         shown = set(store.prog_bar)
         values = store.reduce(self.engine)
         self.logged_metrics.update(values)
-        self._csv.write({"step": self.position.step, "epoch": self.position.epoch, **values})
+        self._write_metrics(values, self.position.epoch)
         assert self._bar is not None
         self._bar.set_metrics({k: v for k, v in values.items() if k in shown})
 
-    def _run_validation(self, loader: Any) -> dict[str, float]:
+    def _write_metrics(self, values: dict[str, float], epoch: int) -> None:
+        if self._logging and self.engine.is_global_zero:
+            self._events.call(
+                "log_metrics", trainer=self, metrics={"epoch": epoch, **values}, step=self.position.step
+            )
+
+    def _run_validation(self, loader: Any, epoch: int | None = None) -> dict[str, float]:
         assert self.model is not None
         limit = self.options.limit_val_batches
         was_training = self.model.training
         # Validation must not change the training's random stream (resume replays it exactly).
         rng = capture_rng()
+        self._events.call("on_validation_start", trainer=self)
         self.model.eval()
         self._in_validation = True
         try:
@@ -607,10 +704,9 @@ class Trainer:
             restore_rng(rng)
         self.logged_metrics.update(values)
         if values:
-            csv_log = getattr(self, "_csv", None)
-            if csv_log is not None:
-                csv_log.write({"step": self.position.step, "epoch": self.position.epoch, **values})
+            self._write_metrics(values, self.position.epoch if epoch is None else epoch)
             self.print(f"validation at step {self.position.step}: {format_metrics(values)}")
+        self._events.call("on_validation_end", trainer=self, metrics=dict(values))
         return values
 
 

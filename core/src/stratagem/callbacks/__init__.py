@@ -1,0 +1,37 @@
+"""Built-in callbacks: plugins of one Trainer (``Trainer(callbacks=[...])``) implementing its events.
+
+- :class:`EarlyStopping`: stop when a monitored metric stops improving (every rank at the same step).
+- :class:`ModelCheckpoint`: keep the best k checkpoints by a metric, plus ``last``.
+- :class:`LearningRateMonitor`: log each optimizer's learning rates.
+- :class:`Throughput`: log samples/s, tokens/s and model FLOPs utilisation.
+
+Importing this package imports none of them, nor torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stratagem.callbacks._early_stopping import EarlyStopping
+    from stratagem.callbacks._model_checkpoint import ModelCheckpoint
+    from stratagem.callbacks._monitors import LearningRateMonitor, Throughput
+
+__all__ = ["EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "Throughput"]
+
+_LAZY = {
+    "EarlyStopping": "stratagem.callbacks._early_stopping",
+    "ModelCheckpoint": "stratagem.callbacks._model_checkpoint",
+    "LearningRateMonitor": "stratagem.callbacks._monitors",
+    "Throughput": "stratagem.callbacks._monitors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'stratagem.callbacks' has no attribute {name!r}")
