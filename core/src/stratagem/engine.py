@@ -15,6 +15,7 @@ from stratagem import _rerun
 from stratagem import cluster as cluster_mod
 from stratagem import launcher as agent
 from stratagem._manager import StrategyHooks, get_registry, installed_plugins
+from stratagem.checkpoint import _atomic, _store
 from stratagem.errors import CapabilityError, CheckpointError, ConfigurationError, WorkerFailedError
 from stratagem.precision import normalize
 from stratagem.seed import seed_everything
@@ -517,6 +518,7 @@ class Engine:
     def save(self, path: str | os.PathLike[str], state: dict[str, Any], format: str | None = None) -> None:
         """Save ``state`` from every rank (``format``: ``full`` or ``sharded``; default: the strategy's)."""
         self.setup_environment()
+        _store.location(path)  # an unknown URL scheme fails here, on every rank, before any collective
         fmt = format or _default_format(self.strategy)
         caps = self.capabilities
         if caps is not None and fmt not in caps.checkpoint_formats:
@@ -529,8 +531,8 @@ class Engine:
     ) -> dict[str, Any]:
         """Fill ``state``'s modules, optimizers and stateful objects in place; return the other saved entries."""
         self.setup_environment()
-        target = Path(path)
-        if not target.exists() and not target.with_name(target.name + ".stratagem-old").exists():
+        target = _store.location(path)
+        if isinstance(target, Path) and not target.exists() and not _atomic.old_sibling(target).exists():
             raise CheckpointError(target, "does not exist. Pass the path of a checkpoint file or directory.")
         return self._hooks.load_checkpoint(os.fspath(path), _strategy_objects(state), strict)
 

@@ -23,7 +23,7 @@ from stratagem._recovery import Recovery
 from stratagem._resume import Position, continue_at_world_size, start_epoch
 from stratagem._run_dir import CHECKPOINT_DIR, checkpoint_name, find_last_checkpoint, prune, publish_last
 from stratagem._watchdog import collective_timeout
-from stratagem.checkpoint import PerRank
+from stratagem.checkpoint import PerRank, _atomic, _store
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
 from stratagem.errors import CheckpointError, ConfigurationError
 from stratagem.module import Module
@@ -170,12 +170,12 @@ class Trainer:
         return self.engine.is_global_zero
 
     @property
-    def default_root_dir(self) -> Path:
+    def default_root_dir(self) -> Path | str:
         return self.options.default_root_dir
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return self.options.default_root_dir / CHECKPOINT_DIR
+    def checkpoint_dir(self) -> Path | str:
+        return _store.join(self.options.default_root_dir, CHECKPOINT_DIR)
 
     @property
     def checkpoint_format(self) -> str:
@@ -296,8 +296,8 @@ class Trainer:
     def _check_ckpt_path(ckpt_path: Any) -> None:
         if ckpt_path is None or ckpt_path == "last":
             return
-        target = Path(ckpt_path)
-        if not target.exists() and not target.with_name(target.name + ".stratagem-old").exists():
+        target = _store.location(ckpt_path)
+        if isinstance(target, Path) and not target.exists() and not _atomic.old_sibling(target).exists():
             raise CheckpointError(
                 target,
                 'does not exist. Pass an existing checkpoint, "last" (the newest under '
@@ -383,19 +383,19 @@ class Trainer:
         return state
 
     # checkpoints -----------------------------------------------------------------------------------
-    def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | None:
+    def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None:
         if ckpt_path is None:
             return None
         if ckpt_path != "last":
-            return Path(ckpt_path)
+            return _store.location(ckpt_path)
         found = find_last_checkpoint(self.checkpoint_dir) if self.engine.is_global_zero else None
         found = self.engine.broadcast(None if found is None else str(found), 0)
         if found is None:
             self.print(f"No checkpoint under {self.checkpoint_dir}: training from the start.")
             return None
-        return Path(found)
+        return _store.location(found)
 
-    def _load_for_resume(self, path: Path) -> None:
+    def _load_for_resume(self, path: Path | str) -> None:
         rest = self.engine.load(path, self._live_state(), strict=True)
         progress = rest.get("progress")
         if not isinstance(progress, dict):
@@ -423,7 +423,7 @@ class Trainer:
 
     def _save_periodic(self) -> None:
         name = checkpoint_name(self.position.step, self.checkpoint_format)
-        self.save_checkpoint(self.checkpoint_dir / name)
+        self.save_checkpoint(_store.join(self.checkpoint_dir, name))
         if self.engine.is_global_zero:
             publish_last(self.checkpoint_dir, name)
             if self.options.keep_last_k is not None:
@@ -440,7 +440,9 @@ class Trainer:
         if max_epochs is not None and steps_per_epoch is not None:
             by_epochs = max_epochs * steps_per_epoch
             total = by_epochs if total is None else min(total, by_epochs)
-        csv_log = CsvLog(opts.default_root_dir / "metrics.csv", enabled=self.engine.is_global_zero)
+        csv_log = CsvLog(
+            _store.local_dir(opts.default_root_dir) / "metrics.csv", enabled=self.engine.is_global_zero
+        )
         if resumed:
             csv_log.resume_after(self.position.step)
         else:

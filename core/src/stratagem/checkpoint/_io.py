@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic, _dcp
+from stratagem.checkpoint import _atomic, _dcp, _store
 from stratagem.checkpoint._layout import (
     METADATA_FILE,
     STATE_FILE,
@@ -31,6 +31,7 @@ from stratagem.checkpoint._layout import (
     owner_of,
     pack_per_rank,
     read_json_metadata,
+    sharded_data,
     unpack_per_rank,
 )
 from stratagem.errors import CheckpointError
@@ -126,8 +127,11 @@ def _converted(strategy: Any, parts: Parts, full: bool) -> dict[str, Any]:
     }
 
 
-def _prepare_target(target: Path, fmt: str) -> None:
+def _prepare_target(target: Path | str, fmt: str) -> None:
     """Rank 0, before writing: refuse a target of the other kind, finish an interrupted swap, clean up."""
+    if isinstance(target, str):
+        _prepare_remote_target(target, fmt)
+        return
     if fmt == "full" and target.is_dir():
         raise CheckpointError(target, "is a directory; a full checkpoint is one file. Choose another path.")
     if fmt == "sharded" and target.is_file():
@@ -143,6 +147,31 @@ def _prepare_target(target: Path, fmt: str) -> None:
     _atomic.remove_stale_temporaries(target)
 
 
+def _prepare_remote_target(target: str, fmt: str) -> None:
+    try:
+        if fmt == "full" and _store.exists(_store.join(target, METADATA_FILE)):
+            raise CheckpointError(
+                target, "holds a sharded checkpoint; a full checkpoint is one object. Choose another URL."
+            )
+        if fmt == "sharded" and _store.is_file(target):
+            raise CheckpointError(
+                target,
+                "is an object (a full checkpoint); a sharded checkpoint is a prefix. Choose another URL.",
+            )
+    except CheckpointError:
+        raise
+    except Exception as error:
+        raise CheckpointError(target, _store.describe_error(target, error)) from error
+
+
+def _remove_unpublished_data(target: str, keep: str) -> None:
+    """After publishing: delete the data prefixes the manifest does not name (the previous version's,
+    and those that crashed saves left)."""
+    for name in _store.children(target):
+        if name.startswith(_store.DATA_PREFIX) and name != keep:
+            _store.remove_tree(_store.join(target, name))
+
+
 # -------------------------------------------------------------------------------------------------
 # save
 # -------------------------------------------------------------------------------------------------
@@ -152,7 +181,7 @@ def _prepare_target(target: Path, fmt: str) -> None:
 
 
 def save(strategy: Any, path: str | Path, state: dict[str, Any], fmt: str) -> None:
-    target = Path(path)
+    target = _store.location(path)
     if fmt not in ("full", "sharded"):
         raise CheckpointError(target, f"unknown format {fmt!r}; use 'full' or 'sharded'.")
     parts = classify(state)
@@ -162,7 +191,7 @@ def save(strategy: Any, path: str | Path, state: dict[str, Any], fmt: str) -> No
         _save_sharded(strategy, target, parts)
 
 
-def _save_full(strategy: Any, target: Path, parts: Parts) -> None:
+def _save_full(strategy: Any, target: Path | str, parts: Parts) -> None:
     local, error = _attempt(_local_state, parts)
     if error is None and strategy.is_global_zero:
         _, error = _attempt(_prepare_target, target, "full")
@@ -181,24 +210,42 @@ def _save_full(strategy: Any, target: Path, parts: Parts) -> None:
     _agree(strategy, target, error)
 
     def write() -> None:
-        with _atomic.atomic_file(target) as tmp:
-            torch.save(payload, tmp)
+        write_full(target, payload)
 
     if strategy.is_global_zero:
         _, error = _attempt(write)
     _agree(strategy, target, error)
 
 
-def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
+def write_full(target: Path | str, payload: dict[str, Any]) -> None:
+    """Rank 0: the full checkpoint file, atomically (a renamed temporary; on a store, one upload)."""
+    if isinstance(target, str):
+        try:
+            with _store.upload(target) as tmp:
+                torch.save(payload, tmp)
+        except Exception as error:
+            raise _atomic.WriteError(_store.describe_error(target, error)) from error
+        return
+    with _atomic.atomic_file(target) as tmp:
+        torch.save(payload, tmp)
+
+
+def _save_sharded(strategy: Any, target: Path | str, parts: Parts) -> None:
     import torch.distributed.checkpoint as dcp
 
-    tmp = Path(strategy.broadcast(str(_atomic.temporary_sibling(target)), 0))
+    remote = isinstance(target, str)
+    if remote:
+        data_name = strategy.broadcast(_store.new_data_prefix(), 0)
+        tmp: Path | str = _store.join(target, data_name)
+    else:
+        tmp = Path(strategy.broadcast(str(_atomic.temporary_sibling(target)), 0))
     local, error = _attempt(_local_state, parts)
     if error is None and strategy.is_global_zero:
 
         def make_directory() -> None:
             _prepare_target(target, "sharded")
-            tmp.mkdir(parents=True)
+            if isinstance(tmp, Path):
+                tmp.mkdir(parents=True)
 
         _, error = _attempt(make_directory)
     _agree(strategy, target, error)
@@ -214,8 +261,10 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
             # DCP runs its own agreement inside save and raises on every rank if any rank failed.
             try:
                 with _single_process_quiet():
-                    dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
+                    dcp.save(tensors, storage_writer=_dcp.writer(tmp), no_dist=not _distributed())
             except _dcp.ERRORS as error:
+                if isinstance(tmp, str):
+                    raise _atomic.WriteError(_store.describe_error(tmp, error)) from error
                 raise _atomic.WriteError(
                     _atomic.explain_write_failure(tmp, error, _dcp.describe(error))
                 ) from error
@@ -224,6 +273,9 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
         _agree(strategy, target, error)
 
         def write_rest() -> None:
+            if isinstance(tmp, str):
+                publish_sharded_remote(target, data_name, plain, metadata(strategy, "sharded", parts))
+                return
             try:
                 torch.save(plain, tmp / STATE_FILE)
                 meta = metadata(strategy, "sharded", parts)
@@ -237,8 +289,26 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
         _agree(strategy, target, error)
     except BaseException:
         if strategy.is_global_zero:
-            _atomic.remove(tmp)
+            if isinstance(tmp, str):
+                with contextlib.suppress(Exception):
+                    _store.remove_tree(tmp)
+            else:
+                _atomic.remove(tmp)
         raise
+
+
+def publish_sharded_remote(target: Any, data_name: str, plain: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Rank 0, once every rank's shards and DCP's index are written under ``target/data_name``: the plain
+    state, then the manifest (the checkpoint exists from that single PUT on), then old data is deleted."""
+    data = _store.join(target, data_name)
+    try:
+        with _store.upload(_store.join(data, STATE_FILE)) as file:
+            torch.save(plain, file)
+        manifest = {**meta, "data": data_name}
+        _store.write_bytes(_store.join(target, METADATA_FILE), json.dumps(manifest, indent=2).encode())
+    except Exception as error:
+        raise _atomic.WriteError(_store.describe_error(target, error)) from error
+    _remove_unpublished_data(target, data_name)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -246,10 +316,15 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
-def read_full(path: Path) -> dict[str, Any]:
-    """Read a full checkpoint file without running any pickled code."""
+def read_full(path: Path | str) -> dict[str, Any]:
+    """Read a full checkpoint file (or store object) without running any pickled code."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if isinstance(path, str):
+            import io
+
+            payload = torch.load(io.BytesIO(_store.read_bytes(path)), map_location="cpu", weights_only=True)
+        else:
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         raise CheckpointError(
             path, f"cannot be read as a stratagem checkpoint (truncated, corrupt, or not one): {error}"
@@ -261,7 +336,8 @@ def read_full(path: Path) -> dict[str, Any]:
 
 
 def load(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-    source = _atomic.recover(Path(path))
+    target = _store.location(path)
+    source = target if isinstance(target, str) else _atomic.recover(target)
     fmt = detect_format(source)
     parts = classify(state)
     if fmt == "full":
@@ -351,7 +427,7 @@ def _fitting_optimizer_state(
     return {**saved, "state": state, "param_groups": groups}
 
 
-def _load_full(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[str, Any]:
+def _load_full(strategy: Any, path: Path | str, parts: Parts, strict: bool) -> dict[str, Any]:
     payload = read_full(path)
     models, optimizers = payload.get("model", {}), payload.get("optimizers", {})
     dropped: dict[int, set[str]] = {}
@@ -386,18 +462,29 @@ def _load_full(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[st
     return _restore_plain(strategy, parts, payload.get("state", {}), strict, path)
 
 
-def saved_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def saved_tensor_shapes(path: Path | str) -> dict[str, tuple[int, ...]]:
     """Flattened key -> global shape of every tensor in a DCP directory, from its index alone."""
     return _dcp.tensor_shapes(_dcp.read_metadata(path))
 
 
-def read_sharded_state(path: Path) -> dict[str, Any]:
-    """The plain state (``state.pt``) of a sharded checkpoint, read without running pickled code."""
-    state_file = path / STATE_FILE
-    if not state_file.exists():
-        return {}
+def read_sharded_state(path: Path | str) -> dict[str, Any]:
+    """The plain state (``state.pt``) of a sharded checkpoint, read without running pickled code.
+
+    ``path``: the directory holding the DCP files (on a store, the data prefix the manifest names)."""
     try:
-        saved = torch.load(state_file, map_location="cpu", weights_only=True)
+        if isinstance(path, str):
+            import io
+
+            try:
+                raw = _store.read_bytes(_store.join(path, STATE_FILE))
+            except FileNotFoundError:
+                return {}
+            saved = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        else:
+            state_file = path / STATE_FILE
+            if not state_file.exists():
+                return {}
+            saved = torch.load(state_file, map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(
             path, f"{STATE_FILE} is unreadable or holds more than plain data (refused): {error}"
@@ -407,11 +494,11 @@ def read_sharded_state(path: Path) -> dict[str, Any]:
     return saved
 
 
-def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[str, Any]:
+def _load_sharded(strategy: Any, path: Path | str, parts: Parts, strict: bool) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    read_json_metadata(path)
-    shapes = saved_tensor_shapes(path)
+    data = sharded_data(path, read_json_metadata(path))
+    shapes = saved_tensor_shapes(data)
     target: dict[str, Any] = {"model": {}, "optimizers": {}}
     dropped: dict[int, set[str]] = {}
     kept: dict[str, dict[str, Any]] = {}
@@ -444,7 +531,7 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
         with _single_process_quiet():
             dcp.load(
                 target,
-                storage_reader=_dcp.safe_reader(path),
+                storage_reader=_dcp.safe_reader(data),
                 planner=_dcp.safe_load_planner(allow_partial_load=not strict),
                 no_dist=not _distributed(),
             )
@@ -476,4 +563,4 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
                 target["optimizers"][key],
                 full=False,
             )
-    return _restore_plain(strategy, parts, read_sharded_state(path), strict, path)
+    return _restore_plain(strategy, parts, read_sharded_state(data), strict, path)
