@@ -287,6 +287,96 @@ def crash_trials(directory: str, fmt: str, trials: int, megabytes: int, seed: in
     }
 
 
+def _store_version(engine: sg.Engine, url: str, model: torch.nn.Module) -> int:
+    return _version_of(engine, url, model)  # type: ignore[arg-type]
+
+
+def store_crash_trials(root_url: str, fmt: str, trials: int, megabytes: int, seed: int) -> dict[str, Any]:
+    """SIGKILL a Trainer-style periodic save to an object store at random moments.
+
+    Each trial forks a process that saves ``step-N`` under ``root_url/checkpoints`` as the Trainer does
+    (checkpoint, then the ``last`` pointer, then pruning to 2) and kills it after a delay drawn uniformly from
+    [0, 1.15 x a whole save]. Then the lookup behind ``ckpt_path="last"`` must find a checkpoint that loads
+    whole, holding N-1 or N, and every prefix the lookup would accept must load whole too.
+    """
+    from stratagem._run_dir import checkpoint_name, find_last_checkpoint, is_complete, prune, publish_last
+    from stratagem.checkpoint import _store
+
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    directory = _store.join(root_url, "checkpoints")
+    engine = sg.Engine(strategy="single_device", accelerator="cpu")
+    model, probe = Blob(megabytes), Blob(megabytes)
+
+    def periodic_save(step: int) -> None:
+        name = checkpoint_name(step, fmt)
+        engine.save(_store.join(directory, name), {"model": model, "step": step}, format=fmt)
+        publish_last(directory, name)
+        prune(directory, keep=2, protect=name)
+
+    def forked(step: int) -> int:
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                periodic_save(step)
+            except BaseException:
+                code = 3
+            os._exit(code)
+        return pid
+
+    _fill(model, 0.0)
+    periodic_save(0)
+    durations = []
+    for _ in range(2):
+        start = time.perf_counter()
+        _, status = os.waitpid(forked(0), 0)
+        durations.append(time.perf_counter() - start)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    duration = min(durations)
+    current, killed = 0, 0
+    outcomes, errors = {"previous": 0, "new": 0}, []
+    for trial in range(1, trials + 1):
+        _fill(model, float(trial))
+        delay = rng.uniform(0.0, 1.15 * duration)
+        pid = forked(trial)
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        killed += os.WIFSIGNALED(status)
+        try:
+            found = find_last_checkpoint(directory)
+            assert found is not None, "no checkpoint found"
+            version = _store_version(engine, str(found), probe)
+            for name in _store.children(directory):
+                step = int(name.split("-")[1].split(".")[0]) if name.startswith("step-") else None
+                if step is not None and is_complete(_store.join(directory, name)):
+                    if _store_version(engine, _store.join(directory, name), probe) != step:
+                        raise AssertionError(f"{name} is complete but does not hold step {step}")
+        except Exception as error:
+            errors.append(
+                f"trial {trial} (kill after {delay * 1000:.0f} ms): {type(error).__name__}: {error}"
+            )
+            continue
+        if version == trial:
+            outcomes["new"] += 1
+            current = trial
+        elif version == current:
+            outcomes["previous"] += 1
+        else:
+            errors.append(f"trial {trial}: found version {version}, expected {current} or {trial}")
+    return {
+        "format": fmt,
+        "trials": trials,
+        "megabytes": megabytes,
+        "save_ms": round(duration * 1000, 1),
+        "killed_mid_save": killed,
+        "loaded_previous": outcomes["previous"],
+        "loaded_new": outcomes["new"],
+        "errors": errors,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -297,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--directory", required=True)
     args = parser.parse_args(argv)
-    result = crash_trials(args.directory, args.format, args.trials, args.megabytes, args.seed)
+    if "://" in args.directory:
+        result = store_crash_trials(args.directory, args.format, args.trials, args.megabytes, args.seed)
+    else:
+        result = crash_trials(args.directory, args.format, args.trials, args.megabytes, args.seed)
     print(json.dumps(result))
     return 0
 

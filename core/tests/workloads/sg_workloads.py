@@ -234,7 +234,8 @@ def main(argv: list[str]) -> None:
             num_nodes=args.num_nodes,
             max_steps=args.steps,
             accumulate_grad_batches=accumulate,
-            default_root_dir=Path(args.root) / f"run{i}",
+            # An object-store URL (s3://...) stays a URL; Path() would fold its "//".
+            default_root_dir=f"{args.root}/run{i}" if "://" in args.root else Path(args.root) / f"run{i}",
             checkpoint_every_n_steps=args.ckpt_every,
             checkpoint_format=args.format,
             keep_last_k=args.keep_last_k,

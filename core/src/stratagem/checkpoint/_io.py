@@ -149,6 +149,7 @@ def _prepare_target(target: Path | str, fmt: str) -> None:
 
 def _prepare_remote_target(target: str, fmt: str) -> None:
     try:
+        _store.check_bucket(target)
         if fmt == "full" and _store.exists(_store.join(target, METADATA_FILE)):
             raise CheckpointError(
                 target, "holds a sharded checkpoint; a full checkpoint is one object. Choose another URL."

@@ -68,7 +68,7 @@ def location(path: str | os.PathLike[str]) -> Location:
         return Path(text[len("file://") :])
     if scheme not in SCHEMES:
         supported = ", ".join(f"{s}://" for s in ["file", *SCHEMES])
-        close = difflib.get_close_matches(scheme, list(SCHEMES), n=1)
+        close = difflib.get_close_matches(scheme, list(SCHEMES), n=1, cutoff=0.4)
         hint = f" Did you mean {close[0]}://?" if close else ""
         raise CheckpointError(
             text,
@@ -130,6 +130,21 @@ def is_file(url: str) -> bool:
         return bool(fs.isfile(fs_path(url)))
     except FileNotFoundError:
         return False
+
+
+def check_bucket(url: str) -> None:
+    """Refuse a URL whose bucket (container) is missing: fsspec's ``makedirs``, which DCP's writer calls,
+    would otherwise create it, with whatever defaults the account has."""
+    if scheme_of(url) == "memory":
+        return
+    fs, path = filesystem(url)
+    bucket = path.split("/", 1)[0]
+    fs.invalidate_cache()
+    if not fs.exists(bucket):
+        raise CheckpointError(
+            url,
+            f"the bucket {bucket!r} does not exist: create it (stratagem does not create buckets) or fix the URL.",
+        )
 
 
 def read_bytes(url: str) -> bytes:
@@ -203,10 +218,12 @@ def describe_error(url: str, error: BaseException) -> str:
     lowered = text.lower()
     if "nosuchbucket" in lowered or "bucket does not exist" in lowered or "no such bucket" in lowered:
         return f"{text} (the bucket does not exist: create it or fix the URL)"
-    if any(
-        k in lowered for k in ("accessdenied", "access denied", "invalidaccesskeyid", "signaturedoesnotmatch")
-    ):
-        return f"{text} (the store refused the credentials: check them, e.g. AWS_ACCESS_KEY_ID / AWS_PROFILE)"
+    refused = ("accessdenied", "access denied", "invalidaccesskeyid", "signaturedoesnotmatch", "forbidden")
+    if isinstance(error, PermissionError) or any(k in lowered for k in refused):
+        return (
+            f"{text} (the store refused the request: check the credentials, e.g. AWS_ACCESS_KEY_ID or "
+            "AWS_PROFILE, and their permissions on this bucket)"
+        )
     return text
 
 
