@@ -350,9 +350,9 @@ def store_crash_trials(root_url: str, fmt: str, trials: int, megabytes: int, see
             version = _store_version(engine, str(found), probe)
             for name in _store.children(directory):
                 step = int(name.split("-")[1].split(".")[0]) if name.startswith("step-") else None
-                if step is not None and is_complete(_store.join(directory, name)):
-                    if _store_version(engine, _store.join(directory, name), probe) != step:
-                        raise AssertionError(f"{name} is complete but does not hold step {step}")
+                url = _store.join(directory, name)
+                if step is not None and is_complete(url) and _store_version(engine, url, probe) != step:
+                    raise AssertionError(f"{name} is complete but does not hold step {step}")
         except Exception as error:
             errors.append(
                 f"trial {trial} (kill after {delay * 1000:.0f} ms): {type(error).__name__}: {error}"

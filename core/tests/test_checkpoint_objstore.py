@@ -19,18 +19,18 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("s3fs")
-pytest.importorskip("moto")
-
 import stratagem as sg
 from stratagem import CheckpointError
 from stratagem.checkpoint import _offline, _store
 
-TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
-sys.path.insert(0, str(TESTS / "workloads"))
+sys.path.insert(0, str(Path(__file__).parent))
 import ckpt_workers as W
 from s3_server import S3Server
+
+TESTS = Path(__file__).parent
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
 
 BUCKET = "bucket"
 SCRIPT = TESTS / "workloads" / "sg_workloads.py"
