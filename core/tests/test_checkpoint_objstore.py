@@ -8,6 +8,7 @@ resharding 2 -> 1; SIGKILL at random moments of a save (10 trials per format).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ from stratagem.checkpoint import _offline, _store
 sys.path.insert(0, str(Path(__file__).parent))
 import ckpt_workers as W
 from s3_server import S3Server
+from test_resume import _assert_resumed_exactly, _load
 
 TESTS = Path(__file__).parent
 
@@ -34,6 +36,15 @@ pytest.importorskip("moto")
 
 BUCKET = "bucket"
 SCRIPT = TESTS / "workloads" / "sg_workloads.py"
+
+
+def _regression() -> torch.nn.Module:
+    sys.path.insert(0, str(TESTS / "workloads"))
+    from sg_workloads import Regression
+
+    module = Regression()
+    module.configure_model()
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +172,138 @@ def test_s3_round_trips_publication_cli_and_bad_input(s3: S3Server, tmp_path: Pa
     # moto answers the HEAD with 403 and no body, which s3fs reports as PermissionError: Forbidden.
     assert f"s3://{BUCKET}/run/full" in done.stderr and "Forbidden" in done.stderr, done.stderr
     assert "refused the request: check the credentials" in done.stderr, done.stderr
+
+
+# -------------------------------------------------------------------------------------------------
+# the Trainer on S3: exact resume with ckpt_path="last" under ddp and fsdp, resharding 2 -> 1
+# -------------------------------------------------------------------------------------------------
+
+RUN = ["--devices", "2", "--batch", "4", "--shuffle", "--dropout", "0.2", "--optimizer", "adamw"]
+RUN += ["--scheduler", "--timeout", "60"]
+
+
+def _local(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Each rank's own shards of FSDP's optimizer state (DTensors), compared rank by rank."""
+    state = snapshot["optimizer"]["state"]
+    for key, values in state.items():
+        state[key] = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in values.items()}
+    return snapshot
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    # cwd: a run rooted at a URL keeps its metrics.csv under ./runs/s3/...
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *RUN, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(process: subprocess.Popen[str], timeout: float = 150) -> str:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+    assert process.returncode == 0, out + err
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("strategy", "fmt"), [("ddp", "full"), ("fsdp", "sharded")])
+def test_trainer_resumes_exactly_from_s3_last(s3: S3Server, tmp_path: Path, strategy: str, fmt: str) -> None:
+    # Per rank: 48 samples in batches of 4, 12 steps an epoch; the run stops at step 6 (checkpoints at 3 and
+    # 6, keep_last_k=1 prunes step 3 on S3), and a new run with ckpt_path="last" carries on from step 6, in
+    # the middle of epoch 0, to step 10. It must match a run that never stopped, bit for bit.
+    root = f"s3://{BUCKET}/trainer-{strategy}"
+    common = ["--strategy", strategy, "--format", fmt, "--ckpt-every", "3", "--keep-last-k", "1"]
+    plain = _start(
+        [
+            "--strategy",
+            strategy,
+            "--steps",
+            "10",
+            "--root",
+            str(tmp_path / "plain"),
+            "--out",
+            str(tmp_path / "plain-out"),
+        ],
+        tmp_path,
+    )
+    first = _start([*common, "--steps", "6", "--root", root, "--out", str(tmp_path / "a")], tmp_path)
+    _finish(first)
+    directory = f"{root}/run0/checkpoints"
+    step6 = "step-000006" + (".ckpt" if fmt == "full" else "")
+    assert _store.read_bytes(f"{directory}/last").decode().strip() == step6
+    assert [n for n in _store.children(directory) if n.startswith("step-")] == [step6]  # step 3 pruned
+    if fmt == "sharded":
+        _check_reshard_inspect_consolidate(root, f"{directory}/{step6}", _load(tmp_path / "a", 0)["params"])
+    resumed = _start(
+        [*common, "--steps", "10", "--root", root, "--ckpt-path", "last", "--out", str(tmp_path / "b")],
+        tmp_path,
+    )
+    output = _finish(resumed)
+    assert f"Resumed from {directory}/{step6} at step 6" in output, output
+    _finish(plain)
+    for rank in (0, 1):
+        straight, again = (_local(_load(tmp_path / n, rank)) for n in ("plain-out", "b"))
+        _assert_resumed_exactly(straight, again, resumed_from_batch=6)
+    assert len(_load(tmp_path / "b", 0)["losses"]) == 4
+
+
+def _check_reshard_inspect_consolidate(root: str, checkpoint: str, at_six: dict[str, torch.Tensor]) -> None:
+    # Written by 2 ranks, the sharded checkpoint at step 6 loads in one process and equals the state at step 6
+    # (the first run's snapshot at its end); inspect and consolidate read it from S3.
+    module = _regression()
+    single = sg.Engine(strategy="single_device", accelerator="cpu")
+    single.load(f"{checkpoint}", {"model": module}, strict=False)
+    assert module.state_dict().keys() == at_six.keys()
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, at_six[name]), name
+    report = json.loads(_cli("inspect", "--json", f"{checkpoint}").stdout)
+    assert (report["format"], report["world_size"], report["strategy"], report["step"]) == (
+        "sharded",
+        2,
+        "fsdp",
+        6,
+    )
+    done = _cli("consolidate", f"{checkpoint}", f"{root}/consolidated.pt")
+    assert done.returncode == 0, done.stderr
+    payload = torch.load(io.BytesIO(_store.read_bytes(f"{root}/consolidated.pt")), weights_only=True)
+    for name, value in at_six.items():
+        assert torch.equal(payload["model"]["model"][name], value), name
+
+
+# -------------------------------------------------------------------------------------------------
+# SIGKILL during saves to S3
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_sigkill_during_s3_saves_leaves_last_loadable(s3: S3Server) -> None:
+    # ckpt_workers.store_crash_trials: 10 saves per format, each killed at a random moment of a Trainer-style
+    # periodic save (checkpoint, `last`, pruning); after each, the lookup behind ckpt_path="last" must find a
+    # checkpoint that loads whole (the previous or the new version), and no other complete-looking one may be
+    # partial. Both formats run at once, in their own processes.
+    runs = {
+        fmt: subprocess.Popen(
+            [sys.executable, str(TESTS / "ckpt_workers.py"), "crash", "--format", fmt, "--trials", "10"]
+            + ["--megabytes", "16", "--seed", "1", "--directory", f"s3://{BUCKET}/crash-{fmt}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for fmt in ("full", "sharded")
+    }
+    for fmt, process in runs.items():
+        out, err = process.communicate(timeout=280)
+        assert process.returncode == 0, out + err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["errors"] == [], result
+        assert result["loaded_previous"] + result["loaded_new"] == 10, result
+        # The kills landed mid-save, most of them before publication (else the test proves nothing).
+        assert result["killed_mid_save"] >= 5 and result["loaded_previous"] >= 3, result

@@ -51,8 +51,11 @@ def _step(state: dict[str, Any]) -> Any:
             return value
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             return value.item()
-    trainer = state.get("trainer")
-    return _step(trainer) if isinstance(trainer, dict) else None
+    for key in ("trainer", "progress"):  # "progress": what Trainer.save_checkpoint writes
+        nested = state.get(key)
+        if isinstance(nested, dict) and (found := _step(nested)) is not None:
+            return found
+    return None
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
