@@ -282,6 +282,10 @@ def _check_reshard_inspect_consolidate(root: str, checkpoint: str, at_six: dict[
 # -------------------------------------------------------------------------------------------------
 
 
+CRASH = [sys.executable, str(TESTS / "ckpt_workers.py"), "crash", "--trials", "10", "--megabytes", "16"]
+CRASH += ["--seed", "1"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_sigkill_during_s3_saves_leaves_last_loadable(s3: S3Server) -> None:
@@ -291,8 +295,7 @@ def test_sigkill_during_s3_saves_leaves_last_loadable(s3: S3Server) -> None:
     # partial. Both formats run at once, in their own processes.
     runs = {
         fmt: subprocess.Popen(
-            [sys.executable, str(TESTS / "ckpt_workers.py"), "crash", "--format", fmt, "--trials", "10"]
-            + ["--megabytes", "16", "--seed", "1", "--directory", f"s3://{BUCKET}/crash-{fmt}"],
+            [*CRASH, "--format", fmt, "--directory", f"s3://{BUCKET}/crash-{fmt}"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -301,7 +304,7 @@ def test_sigkill_during_s3_saves_leaves_last_loadable(s3: S3Server) -> None:
     }
     for fmt, process in runs.items():
         out, err = process.communicate(timeout=280)
-        assert process.returncode == 0, out + err
+        assert process.returncode == 0, (fmt, out + err)
         result = json.loads(out.strip().splitlines()[-1])
         assert result["errors"] == [], result
         assert result["loaded_previous"] + result["loaded_new"] == 10, result
