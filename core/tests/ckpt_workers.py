@@ -287,6 +287,84 @@ def crash_trials(directory: str, fmt: str, trials: int, megabytes: int, seed: in
     }
 
 
+# -------------------------------------------------------------------------------------------------
+# asynchronous saves (blocking=False), in every rank of an Engine.launch
+# -------------------------------------------------------------------------------------------------
+
+
+def _wide_model() -> torch.nn.Module:
+    # 4 x 1024 x 1024 weights: 16 MiB of parameters, 48 MiB with AdamW's state, so a save takes a while.
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+
+
+def async_saves(engine: sg.Engine, root: str, failing_dir: str) -> dict[str, Any]:
+    """Per format: train, save with blocking=False, keep training while the save runs (every rank takes the
+    same steps: the ranks agree each step whether any is still writing), then load what was saved and compare
+    it with the state at the step it was taken; then a save that fails in the background (a real EFBIG)."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"rank": engine.rank}
+    for fmt in ("full", "sharded"):
+        torch.manual_seed(0)
+        model = _wide_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = engine.setup(model, optimizer)
+
+        def step(model: Any = model, optimizer: Any = optimizer) -> None:
+            loss = model(torch.randn(4, 1024)).pow(2).mean()
+            engine.backward(loss, model)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for _ in range(2):
+            step()
+        at_save = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        moments = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
+        path = f"{root}/async-{fmt}"
+        start = time.perf_counter()
+        engine.save(path, {"model": model, "optimizer": optimizer, "step": 2}, format=fmt, blocking=False)
+        returned = time.perf_counter() - start
+        steps_during = 0
+        while bool(engine.all_reduce(torch.tensor(float(engine.checkpoint_in_flight())), "max") > 0):
+            step()
+            steps_during += 1
+        written = time.perf_counter() - start
+        engine.wait_for_checkpoint()
+        changed = any(not torch.equal(v, at_save[k]) for k, v in model.state_dict().items())
+        torch.manual_seed(1)
+        probe = _wide_model()
+        probe_opt = torch.optim.AdamW(probe.parameters(), lr=1e-3)
+        probe, probe_opt = engine.setup(probe, probe_opt)
+        rest = engine.load(path, {"model": probe, "optimizer": probe_opt})
+        same = all(torch.equal(v, at_save[k]) for k, v in probe.state_dict().items())
+        loaded_moments = {k: v["exp_avg"] for k, v in probe_opt.state_dict()["state"].items()}
+        same_moments = moments.keys() == loaded_moments.keys() and all(
+            torch.equal(moments[k], loaded_moments[k]) for k in moments
+        )
+        out[fmt] = {
+            "returned_s": returned,
+            "written_s": written,
+            "steps_during_save": steps_during,
+            "training_changed_params": changed,
+            "loaded_equals_state_at_save": same,
+            "loaded_moments_equal": same_moments,
+            "step": rest["step"],
+        }
+
+        # A background write that fails: the previous checkpoint at the path stays, the next save raises.
+        target = Path(failing_dir) / f"fails-{fmt}{'.pt' if fmt == 'full' else ''}"
+        engine.save(target, {"model": model, "step": 1}, format=fmt)
+        with file_size_limit(64 * 1024):
+            engine.save(target, {"model": model, "step": 2}, format=fmt, blocking=False)
+            step()
+            try:
+                engine.save(Path(failing_dir) / f"next-{fmt}", {"model": model, "step": 3}, format=fmt)
+                out[fmt]["next_save_error"] = None
+            except CheckpointError as error:
+                out[fmt]["next_save_error"] = str(error)
+        out[fmt]["previous_intact_step"] = engine.load(target, {"model": probe})["step"]
+    return {"ranks": [engine.broadcast(out, src) for src in range(engine.world_size)]}
+
+
 def _store_version(engine: sg.Engine, url: str, model: torch.nn.Module) -> int:
     return _version_of(engine, url, model)  # type: ignore[arg-type]
 

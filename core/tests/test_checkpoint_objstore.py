@@ -217,9 +217,12 @@ def _finish(process: subprocess.Popen[str], timeout: float = 150) -> str:
 def test_trainer_resumes_exactly_from_s3_last(s3: S3Server, tmp_path: Path, strategy: str, fmt: str) -> None:
     # Per rank: 48 samples in batches of 4, 12 steps an epoch; the run stops at step 6 (checkpoints at 3 and
     # 6, keep_last_k=1 prunes step 3 on S3), and a new run with ckpt_path="last" carries on from step 6, in
-    # the middle of epoch 0, to step 10. It must match a run that never stopped, bit for bit.
+    # the middle of epoch 0, to step 10. It must match a run that never stopped, bit for bit. Under fsdp the
+    # checkpoints are asynchronous (Trainer(async_checkpoint=True)): fit returns once the last is published.
     root = f"s3://{BUCKET}/trainer-{strategy}"
     common = ["--strategy", strategy, "--format", fmt, "--ckpt-every", "3", "--keep-last-k", "1"]
+    if fmt == "sharded":
+        common.append("--async-ckpt")  # fsdp's periodic checkpoints through dcp.async_save
     plain = _start(
         [
             "--strategy",
@@ -310,3 +313,37 @@ def test_sigkill_during_s3_saves_leaves_last_loadable(s3: S3Server) -> None:
         assert result["loaded_previous"] + result["loaded_new"] == 10, result
         # The kills landed mid-save, most of them before publication (else the test proves nothing).
         assert result["killed_mid_save"] >= 5 and result["loaded_previous"] >= 3, result
+
+
+# -------------------------------------------------------------------------------------------------
+# asynchronous saves
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_async_saves_to_s3_while_training_goes_on(s3: S3Server, tmp_path: Path) -> None:
+    # Two ranks; per format: save with blocking=False to S3, keep training while it runs, load and compare
+    # with the state at the step the save was taken; then a background write that fails (EFBIG, a real
+    # write error) is raised at the next save, on every rank, with the path, and the previous one stays.
+    engine = sg.Engine(strategy=W.ShardingTestStrategy(), accelerator="cpu", devices=2, timeout=120)
+    ranks = engine.launch(W.async_saves, f"s3://{BUCKET}/async", str(tmp_path))["ranks"]
+    assert len(ranks) == 2
+    for seen in ranks:
+        for fmt in ("full", "sharded"):
+            r = seen[fmt]
+            assert r["steps_during_save"] >= 1, (fmt, r)  # training went on while the save ran ...
+            assert r["training_changed_params"], (fmt, r)  # ... and changed the parameters,
+            assert r["loaded_equals_state_at_save"] and r["loaded_moments_equal"], (
+                fmt,
+                r,
+            )  # yet the save holds
+            assert r["step"] == 2  # the state of the step it was taken at, bit for bit.
+            assert r["returned_s"] < r["written_s"], (fmt, r)
+            error = r["next_save_error"]
+            assert error is not None and f"fails-{fmt}" in error and "background save failed" in error, error
+            assert r["previous_intact_step"] == 1, (fmt, r)
+    # Written by 2 ranks: the sharded one is split across them.
+    assert sorted(n for n in _objects(f"s3://{BUCKET}/async/async-sharded") if n.endswith(".distcp"))[
+        -1
+    ].endswith("__1_0.distcp")

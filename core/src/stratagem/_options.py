@@ -72,6 +72,7 @@ class TrainerOptions:
         default=None, converter=_optional_float, validator=_optional_positive(float)
     )
     restart_from_scratch: bool = False
+    async_checkpoint: bool = False
 
     def __attrs_post_init__(self) -> None:
         periodic = self.checkpoint_every_n_steps is not None or self.checkpoint_every_n_minutes is not None

@@ -63,6 +63,9 @@ class Trainer:
     :param checkpoint_every_n_minutes: also checkpoint on this wall-clock cadence (rank 0's clock decides).
     :param restart_from_scratch: allow ``max_restarts`` without any checkpoint cadence (a restart then begins at
         step 0); refused otherwise.
+    :param async_checkpoint: periodic checkpoints return once the state is copied off the training path and are
+        written in the background (one at a time; a failure is raised at the next save or at the end of ``fit``,
+        which waits for the last one). See docs/checkpoints.md.
     :param launcher: how the workers start (see :class:`~stratagem.Engine`): ``"auto"``, a name, or an instance.
     """
 
@@ -93,6 +96,7 @@ class Trainer:
         checkpoint_every_n_minutes: float | None = None,
         restart_from_scratch: bool = False,
         launcher: Any = "auto",
+        async_checkpoint: bool = False,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -112,6 +116,7 @@ class Trainer:
             max_restarts=max_restarts,
             checkpoint_every_n_minutes=checkpoint_every_n_minutes,
             restart_from_scratch=restart_from_scratch,
+            async_checkpoint=async_checkpoint,
         )
         self.engine = Engine(
             strategy=strategy,
@@ -233,8 +238,16 @@ class Trainer:
         self._setup(model, with_optimizers=False)
         return self._run_validation(self._prepare_loader(dataloaders))
 
-    def save_checkpoint(self, path: str | os.PathLike[str], format: str | None = None) -> None:
-        """Save the model, optimizers, schedulers, position in the data and RNG states. Call it on every rank."""
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        format: str | None = None,
+        *,
+        blocking: bool = True,
+        _on_published: Any = None,
+    ) -> None:
+        """Save the model, optimizers, schedulers, position in the data and RNG states. Call it on every rank.
+        ``blocking=False``: see :meth:`Engine.save`."""
         if self.model is None:
             raise ConfigurationError("save_checkpoint() before fit(): there is no model set up to save yet.")
         extras: dict[str, Any] = {}
@@ -251,7 +264,13 @@ class Trainer:
                 "accumulate_grad_batches": self.options.accumulate_grad_batches,
             },
         )
-        self.engine.save(path, state, format=format or self.checkpoint_format)
+        self.engine.save(
+            path,
+            state,
+            format=format or self.checkpoint_format,
+            blocking=blocking,
+            _on_published=_on_published,
+        )
         self._last_saved_step = self.position.step
         self._recovery.saved()
 
@@ -423,6 +442,20 @@ class Trainer:
 
     def _save_periodic(self) -> None:
         name = checkpoint_name(self.position.step, self.checkpoint_format)
+        if self.options.async_checkpoint:
+            directory, keep = self.checkpoint_dir, self.options.keep_last_k
+
+            def published() -> None:  # rank 0, in the background, once the checkpoint is published
+                publish_last(directory, name)
+                if keep is not None:
+                    prune(directory, keep=keep, protect=name)
+
+            self.save_checkpoint(
+                _store.join(directory, name),
+                blocking=False,
+                _on_published=published if self.engine.is_global_zero else None,
+            )
+            return
         self.save_checkpoint(_store.join(self.checkpoint_dir, name))
         if self.engine.is_global_zero:
             publish_last(self.checkpoint_dir, name)
@@ -463,6 +496,7 @@ class Trainer:
             )
             if periodic and self._last_saved_step != self.position.step:
                 self._save_periodic()
+            self.engine.wait_for_checkpoint()  # fit returns with every checkpoint written (or raises)
         finally:
             recovery.stop()
             self._bar.close()

@@ -218,6 +218,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--ckpt-minutes", type=float, default=None)
     p.add_argument("--restart-from-scratch", action="store_true")
+    p.add_argument("--async-ckpt", action="store_true", help="Trainer(async_checkpoint=True)")
     return p.parse_args(argv)
 
 
@@ -246,6 +247,7 @@ def main(argv: list[str]) -> None:
             max_restarts=args.max_restarts,
             checkpoint_every_n_minutes=args.ckpt_minutes,
             restart_from_scratch=args.restart_from_scratch,
+            async_checkpoint=args.async_ckpt,
             launcher=args.launcher,
         )
         module = Regression(dropout=args.dropout, optimizer=args.optimizer, scheduler=args.scheduler)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,18 +182,105 @@ def _remove_unpublished_data(target: str, keep: str) -> None:
 # the writes. Nothing reaches the target path until every rank has succeeded.
 
 
-def save(strategy: Any, path: str | Path, state: dict[str, Any], fmt: str) -> None:
+class PendingSave:
+    """A save whose writes go on in the background (``blocking=False``); :func:`finish` ends it on every rank."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = path
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._future: Any = None
+
+    def start(self, work: Any) -> None:
+        def run() -> None:
+            try:
+                work()
+            except BaseException as error:  # kept, and raised on every rank by finish()
+                self.error = error
+
+        self._thread = threading.Thread(target=run, name="stratagem-checkpoint", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """True once this rank's part of the save has finished (written, or failed)."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        return self._future is None or self._future.done()
+
+    def wait(self) -> BaseException | None:
+        if self._future is not None:
+            try:
+                self._future.result()
+            except _dcp.ERRORS as error:
+                self.error = self.error or error
+        if self._thread is not None:
+            self._thread.join()
+        return self.error
+
+
+def finish(strategy: Any, pending: PendingSave) -> None:
+    """Wait for a background save on every rank; raise its failure (any rank's) on all of them, naming the path.
+
+    A collective: every rank calls it at the same point (the next save, a load, the end of ``fit``)."""
+    error = pending.wait()
+    if error is not None and not isinstance(error, CheckpointError):
+        if isinstance(error, _atomic.WriteError):
+            error = CheckpointError(pending.path, f"the background save failed: {error}")
+        else:
+            error = CheckpointError(pending.path, f"the background save failed: {_describe(error)}")
+    _agree(strategy, pending.path, error)
+
+
+def save(
+    strategy: Any,
+    path: str | Path,
+    state: dict[str, Any],
+    fmt: str,
+    *,
+    blocking: bool = True,
+    on_published: Any = None,
+) -> PendingSave | None:
+    """Save on every rank. With ``blocking=False``, return once the state is copied off the training path;
+    the writes go on in the background (``on_published``, on the ranks that pass it, runs after they are
+    published) and :func:`finish` waits for them."""
     target = _store.location(path)
     if fmt not in ("full", "sharded"):
         raise CheckpointError(target, f"unknown format {fmt!r}; use 'full' or 'sharded'.")
     parts = classify(state)
     if fmt == "full":
-        _save_full(strategy, target, parts)
-    else:
-        _save_sharded(strategy, target, parts)
+        return _save_full(strategy, target, parts, blocking, on_published)
+    return _save_sharded(strategy, target, parts, blocking, on_published)
 
 
-def _save_full(strategy: Any, target: Path | str, parts: Parts) -> None:
+def _cpu_copy(value: Any) -> Any:
+    """A copy of ``value`` that training cannot change: tensors copied to CPU, containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cpu_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_cpu_copy(v) for v in value)
+    return value
+
+
+def _async_group(strategy: Any) -> Any:
+    """A gloo process group of its own for DCP's background collectives (training keeps the default one)."""
+    if not _distributed():
+        return None
+    group = getattr(strategy, "_stratagem_checkpoint_group", None)
+    if group is None:
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo")
+        strategy._stratagem_checkpoint_group = group
+    return group
+
+
+def _save_full(
+    strategy: Any, target: Path | str, parts: Parts, blocking: bool = True, on_published: Any = None
+) -> PendingSave | None:
     local, error = _attempt(_local_state, parts)
     if error is None and strategy.is_global_zero:
         _, error = _attempt(_prepare_target, target, "full")
@@ -210,12 +298,29 @@ def _save_full(strategy: Any, target: Path | str, parts: Parts) -> None:
     payload, error = _attempt(convert)
     _agree(strategy, target, error)
 
+    if not blocking:
+        pending = PendingSave(target)
+        if strategy.is_global_zero:
+            copy = _cpu_copy(payload)
+            del payload
+
+            def write_in_background() -> None:
+                write_full(target, copy)
+                if on_published is not None:
+                    on_published()
+
+            pending.start(write_in_background)
+        return pending
+
     def write() -> None:
         write_full(target, payload)
 
     if strategy.is_global_zero:
         _, error = _attempt(write)
     _agree(strategy, target, error)
+    if on_published is not None:
+        on_published()
+    return None
 
 
 def write_full(target: Path | str, payload: dict[str, Any]) -> None:
@@ -231,7 +336,9 @@ def write_full(target: Path | str, payload: dict[str, Any]) -> None:
         torch.save(payload, tmp)
 
 
-def _save_sharded(strategy: Any, target: Path | str, parts: Parts) -> None:
+def _save_sharded(
+    strategy: Any, target: Path | str, parts: Parts, blocking: bool = True, on_published: Any = None
+) -> PendingSave | None:
     import torch.distributed.checkpoint as dcp
 
     remote = isinstance(target, str)
@@ -270,24 +377,19 @@ def _save_sharded(strategy: Any, target: Path | str, parts: Parts) -> None:
                     _atomic.explain_write_failure(tmp, error, _dcp.describe(error))
                 ) from error
 
+        meta = metadata(strategy, "sharded", parts) if strategy.is_global_zero else {}
+        if not blocking:
+            return _save_sharded_in_background(strategy, target, tmp, tensors, plain, meta, on_published)
+
         _, error = _attempt(write_shards)
         _agree(strategy, target, error)
 
-        def write_rest() -> None:
-            if isinstance(tmp, str):
-                publish_sharded_remote(target, data_name, plain, metadata(strategy, "sharded", parts))
-                return
-            try:
-                torch.save(plain, tmp / STATE_FILE)
-                meta = metadata(strategy, "sharded", parts)
-                (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
-            except Exception as error:
-                raise _atomic.WriteError(_atomic.explain_write_failure(tmp, error)) from error
-            _atomic.publish_directory(tmp, target)
-
         if strategy.is_global_zero:
-            _, error = _attempt(write_rest)
+            _, error = _attempt(_publish_sharded, target, tmp, plain, meta)
         _agree(strategy, target, error)
+        if on_published is not None:
+            on_published()
+        return None
     except BaseException:
         if strategy.is_global_zero:
             if isinstance(tmp, str):
@@ -296,6 +398,77 @@ def _save_sharded(strategy: Any, target: Path | str, parts: Parts) -> None:
             else:
                 _atomic.remove(tmp)
         raise
+
+
+def _publish_sharded(
+    target: Path | str, tmp: Path | str, plain: dict[str, Any], meta: dict[str, Any]
+) -> None:
+    """Rank 0, once every rank's shards are written: the plain state and metadata, then publication."""
+    if isinstance(tmp, str):
+        publish_sharded_remote(target, _store.name_of(tmp), plain, meta)
+        return
+    assert isinstance(target, Path)
+    try:
+        torch.save(plain, tmp / STATE_FILE)
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+    except Exception as error:
+        raise _atomic.WriteError(_atomic.explain_write_failure(tmp, error)) from error
+    _atomic.publish_directory(tmp, target)
+
+
+def _save_sharded_in_background(
+    strategy: Any,
+    target: Path | str,
+    tmp: Path | str,
+    tensors: dict[str, Any],
+    plain: dict[str, Any],
+    meta: dict[str, Any],
+    on_published: Any,
+) -> PendingSave:
+    """``dcp.async_save``: it copies the shards to CPU memory before returning, then writes them in a thread
+    (collectives on a group of their own); rank 0 publishes once its future says every rank has written."""
+    import torch.distributed.checkpoint as dcp
+
+    pending = PendingSave(target)
+    plain = _cpu_copy(plain)
+    try:
+        with _single_process_quiet():
+            future = dcp.async_save(
+                tensors,
+                storage_writer=_dcp.writer(tmp),
+                process_group=_async_group(strategy),
+                no_dist=not _distributed(),
+            )
+    except _dcp.ERRORS as error:
+        future, failed = None, error
+    else:
+        failed = None
+    if not strategy.is_global_zero:
+        pending._future = future
+        pending.error = failed
+        return pending
+
+    def publish_in_background() -> None:
+        try:
+            if failed is not None:
+                raise failed
+            try:
+                future.result()
+            except _dcp.ERRORS as error:
+                raise _atomic.WriteError(_dcp.describe(error)) from error
+            _publish_sharded(target, tmp, plain, meta)
+        except BaseException:
+            if isinstance(tmp, str):
+                with contextlib.suppress(Exception):
+                    _store.remove_tree(tmp)
+            else:
+                _atomic.remove(tmp)
+            raise
+        if on_published is not None:
+            on_published()
+
+    pending.start(publish_in_background)
+    return pending
 
 
 def publish_sharded_remote(target: Any, data_name: str, plain: dict[str, Any], meta: dict[str, Any]) -> None:
