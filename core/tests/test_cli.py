@@ -27,9 +27,7 @@ def test_every_installed_plugin_is_listed_with_what_it_registers_or_its_error():
         | {b["entry_point"].split(" = ")[0] for b in listing["broken"]}
     )
     installed = {ep.name for ep in importlib_metadata.entry_points(group="stratagem")}
-    assert installed <= plugins, (
-        f"entry points without strategies, launchers or errors: {installed - plugins}"
-    )
+    assert installed <= plugins, f"entry points without strategies, launchers or errors: {installed - plugins}"
     single = next(row for row in listing["strategies"] if row["name"] == "single_device")
     assert single["distribution"] == "stratagem" and single["capabilities"]["world_sizes"] == [1, 1]
     assert listing["conflicts"] == []
