@@ -201,7 +201,7 @@ def async_stall(megabytes: int, repeats: int, directory: Path) -> list[list[obje
     engine = sg.Engine(strategy="single_device", accelerator="cpu")
     model, optimizer = _trained(megabytes)
     width = model.layers[0].in_features
-    x = torch.randn(8, width)
+    x = torch.randn(256, width)  # steps of a few tens of ms, so that a window of them is measurable
 
     def step() -> None:
         model.layers(x).pow(2).mean().backward()
@@ -214,7 +214,7 @@ def async_stall(megabytes: int, repeats: int, directory: Path) -> list[list[obje
             step()
         return time.perf_counter() - start
 
-    window = 20
+    window = 30
     rows = []
     for fmt in ("full", "sharded"):
         target = directory / f"stall-{fmt}"
