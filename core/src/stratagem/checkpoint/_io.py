@@ -301,7 +301,9 @@ def _save_full(
     if not blocking:
         pending = PendingSave(target)
         if strategy.is_global_zero:
-            copy = _cpu_copy(payload)
+            copy, pending.error = _attempt(
+                _cpu_copy, payload
+            )  # out of memory: raised by finish(), everywhere
             del payload
 
             def write_in_background() -> None:
@@ -309,7 +311,8 @@ def _save_full(
                 if on_published is not None:
                     on_published()
 
-            pending.start(write_in_background)
+            if pending.error is None:
+                pending.start(write_in_background)
         return pending
 
     def write() -> None:
