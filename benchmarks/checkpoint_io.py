@@ -195,13 +195,13 @@ def _spread(values: list[float]) -> str:
     return f"{median(values) * 1000:.0f} ms (IQR {q1 * 1000:.0f}-{q3 * 1000:.0f})"
 
 
-def async_stall(megabytes: int, repeats: int, directory: Path) -> list[list[object]]:
+def async_stall(megabytes: int, repeats: int, directory: Path | str, where: str = "") -> list[list[object]]:
     """Stall of a training loop around a save, blocking against ``blocking=False``, per format."""
     torch.set_num_threads(1)
     engine = sg.Engine(strategy="single_device", accelerator="cpu")
     model, optimizer = _trained(megabytes)
     width = model.layers[0].in_features
-    x = torch.randn(256, width)  # steps of a few tens of ms, so that a window of them is measurable
+    x = torch.randn(64, width)
 
     def step() -> None:
         model.layers(x).pow(2).mean().backward()
@@ -214,10 +214,10 @@ def async_stall(megabytes: int, repeats: int, directory: Path) -> list[list[obje
             step()
         return time.perf_counter() - start
 
-    window = 30
+    window = 15
     rows = []
     for fmt in ("full", "sharded"):
-        target = directory / f"stall-{fmt}"
+        target = f"{directory}/stall-{fmt}" if isinstance(directory, str) else directory / f"stall-{fmt}"
         stalls: dict[str, list[float]] = {"blocking": [], "async": []}
         save_times: list[float] = []
         steps_during: list[int] = []
@@ -248,12 +248,12 @@ def async_stall(megabytes: int, repeats: int, directory: Path) -> list[list[obje
             extra = f"{median(values) / blocking_save:.2f}x of the blocking save"
             if mode == "async":
                 extra += f"; save done after a median {median(steps_during):.0f} of {window} steps"
-            rows.append([f"{fmt} save, {mode}: training stall", _spread(values), extra])
-        rows.append([f"{fmt} save, blocking: save call alone", _spread(save_times), ""])
+            rows.append([f"{where}{fmt} save, {mode}: training stall", _spread(values), extra])
+        rows.append([f"{where}{fmt} save, blocking: save call alone", _spread(save_times), ""])
     return rows
 
 
-def s3_throughput(megabytes: int, repeats: int) -> list[list[object]]:
+def s3_throughput(megabytes: int, repeats: int) -> tuple[list[list[object]], list[list[object]]]:
     """Engine.save/load at s3:// against raw s3fs pipe/cat of the same bytes, on a local S3 API server."""
     import io
 
@@ -336,6 +336,7 @@ def s3_throughput(megabytes: int, repeats: int) -> list[list[object]]:
             ]
             for key, fn in pairs if ours_first else pairs[::-1]:
                 timed(key, fn)
+        stall_rows = async_stall(megabytes, repeats, "s3://bench", where="S3 ")
         for what in ("full save", "full load", "sharded save", "sharded load"):
             ours, raw = times[f"{what}|stratagem"], times[f"{what}|raw s3fs"]
             nbytes = size[what.split()[0]]
@@ -349,7 +350,7 @@ def s3_throughput(megabytes: int, repeats: int) -> list[list[object]]:
                     f"{nbytes / 2**20 / median(ours):.0f} MiB/s",
                 ]
             )
-    return rows
+    return rows, stall_rows
 
 
 def main() -> None:
@@ -367,7 +368,10 @@ def main() -> None:
             print()
         if not only or "s3" in only:
             header = ["what", "size", "stratagem", "raw s3fs", "ratio", "stratagem throughput"]
-            print(table(s3_throughput(args.megabytes, args.repeats), header))
+            rows, stall_rows = s3_throughput(args.megabytes, args.repeats)
+            print(table(rows, header))
+            print()
+            print(table(stall_rows, ["what", "median (IQR)", ""]))
             print()
         if only and not only & {"full", "sharded", "consolidate"}:
             return
