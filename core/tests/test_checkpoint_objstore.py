@@ -8,6 +8,7 @@ resharding 2 -> 1; SIGKILL at random moments of a save (10 trials per format).
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -149,6 +150,9 @@ def test_s3_round_trips_publication_cli_and_bad_input(s3: S3Server, tmp_path: Pa
     assert "gs://" in str(info.value) and "az://" in str(info.value) and "memory://" in str(info.value)
     with pytest.raises(CheckpointError, match="s4://bucket/x"):
         engine.load("s4://bucket/x", _state(0, 0))
+    if importlib.util.find_spec("gcsfs") is None:  # a supported store whose package is missing: the extra
+        with pytest.raises(CheckpointError, match=r"gs://b/x: needs the gcsfs package .*stratagem\[gcs\]"):
+            engine.save("gs://b/x", _state(0, 0))
     with pytest.raises(
         CheckpointError, match=r"s3://no-such-bucket/x: the bucket 'no-such-bucket' does not exist"
     ):
