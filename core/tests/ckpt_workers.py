@@ -369,13 +369,17 @@ def _store_version(engine: sg.Engine, url: str, model: torch.nn.Module) -> int:
     return _version_of(engine, url, model)  # type: ignore[arg-type]
 
 
-def store_crash_trials(root_url: str, fmt: str, trials: int, megabytes: int, seed: int) -> dict[str, Any]:
+def store_crash_trials(
+    root_url: str, fmt: str, trials: int, megabytes: int, seed: int, asynchronous: bool = False
+) -> dict[str, Any]:
     """SIGKILL a Trainer-style periodic save to an object store at random moments.
 
     Each trial forks a process that saves ``step-N`` under ``root_url/checkpoints`` as the Trainer does
     (checkpoint, then the ``last`` pointer, then pruning to 2) and kills it after a delay drawn uniformly from
     [0, 1.15 x a whole save]. Then the lookup behind ``ckpt_path="last"`` must find a checkpoint that loads
     whole, holding N-1 or N, and every prefix the lookup would accept must load whole too.
+    ``asynchronous``: the saves are ``blocking=False`` (``last`` and pruning run once the background write
+    has published), as with ``Trainer(async_checkpoint=True)``.
     """
     from stratagem._run_dir import checkpoint_name, find_last_checkpoint, is_complete, prune, publish_last
     from stratagem.checkpoint import _store
@@ -388,9 +392,20 @@ def store_crash_trials(root_url: str, fmt: str, trials: int, megabytes: int, see
 
     def periodic_save(step: int) -> None:
         name = checkpoint_name(step, fmt)
-        engine.save(_store.join(directory, name), {"model": model, "step": step}, format=fmt)
-        publish_last(directory, name)
-        prune(directory, keep=2, protect=name)
+
+        def published() -> None:
+            publish_last(directory, name)
+            prune(directory, keep=2, protect=name)
+
+        target = _store.join(directory, name)
+        if asynchronous:
+            engine.save(
+                target, {"model": model, "step": step}, format=fmt, blocking=False, _on_published=published
+            )
+            engine.wait_for_checkpoint()
+        else:
+            engine.save(target, {"model": model, "step": step}, format=fmt)
+            published()
 
     def forked(step: int) -> int:
         pid = os.fork()
@@ -445,6 +460,7 @@ def store_crash_trials(root_url: str, fmt: str, trials: int, megabytes: int, see
             errors.append(f"trial {trial}: found version {version}, expected {current} or {trial}")
     return {
         "format": fmt,
+        "asynchronous": asynchronous,
         "trials": trials,
         "megabytes": megabytes,
         "save_ms": round(duration * 1000, 1),
@@ -464,9 +480,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megabytes", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--directory", required=True)
+    p.add_argument(
+        "--async", dest="asynchronous", action="store_true", help="blocking=False saves (store URLs)"
+    )
     args = parser.parse_args(argv)
     if "://" in args.directory:
-        result = store_crash_trials(args.directory, args.format, args.trials, args.megabytes, args.seed)
+        result = store_crash_trials(
+            args.directory, args.format, args.trials, args.megabytes, args.seed, args.asynchronous
+        )
     else:
         result = crash_trials(args.directory, args.format, args.trials, args.megabytes, args.seed)
     print(json.dumps(result))

@@ -299,17 +299,20 @@ def test_sigkill_during_s3_saves_leaves_last_loadable(s3: S3Server) -> None:
     # ckpt_workers.store_crash_trials: 10 saves per format, each killed at a random moment of a Trainer-style
     # periodic save (checkpoint, `last`, pruning); after each, the lookup behind ckpt_path="last" must find a
     # checkpoint that loads whole (the previous or the new version), and no other complete-looking one may be
-    # partial. Both formats run at once, in their own processes.
+    # partial. Both formats, blocking and asynchronous (blocking=False, as Trainer(async_checkpoint=True) saves),
+    # run at once, in their own processes.
     runs = {
-        fmt: subprocess.Popen(
-            [*CRASH, "--format", fmt, "--directory", f"s3://{BUCKET}/crash-{fmt}"],
+        (fmt, mode): subprocess.Popen(
+            [*CRASH, "--format", fmt, "--directory", f"s3://{BUCKET}/crash-{fmt}{mode}"]
+            + (["--async"] if mode else []),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for fmt in ("full", "sharded")
+        for mode in ("", "-async")
     }
-    for fmt, process in runs.items():
+    for fmt, process in runs.items():  # fmt: (format, mode)
         out, err = process.communicate(timeout=280)
         assert process.returncode == 0, (fmt, out + err)
         result = json.loads(out.strip().splitlines()[-1])
@@ -317,6 +320,7 @@ def test_sigkill_during_s3_saves_leaves_last_loadable(s3: S3Server) -> None:
         assert result["loaded_previous"] + result["loaded_new"] == 10, result
         # The kills landed mid-save, most of them before publication (else the test proves nothing).
         assert result["killed_mid_save"] >= 5 and result["loaded_previous"] >= 3, result
+        assert result["asynchronous"] == (fmt[1] == "-async")
 
 
 # -------------------------------------------------------------------------------------------------
