@@ -7,6 +7,10 @@ the new one was on disk); a kill after it is counted apart.
 The trials themselves live in core/tests/ckpt_workers.py (the test runs 10 of them per format).
 
     /work/venv/bin/python benchmarks/checkpoint_crash.py [--trials 100] [--megabytes 64]
+
+With ``--s3`` the saves go to a local S3 API server (moto, core/tests/s3_server.py) as a Trainer's periodic
+checkpoints do (checkpoint, ``last``, pruning), and after each kill the lookup behind ``ckpt_path="last"`` must
+find a checkpoint that loads whole (``ckpt_workers.store_crash_trials``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--megabytes", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--s3", action="store_true", help="save to a local S3 API server")
     args = parser.parse_args()
+    if args.s3:
+        return _s3(args)
     rows, failed = [], False
     for fmt in ("full", "sharded"):
         with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
@@ -64,6 +71,44 @@ def main() -> int:
             ],
         )
     )
+    return 1 if failed else 0
+
+
+def _s3(args: argparse.Namespace) -> int:
+    import os
+
+    from s3_server import S3Server
+
+    rows, failed = [], False
+    with S3Server() as server:
+        server.create_bucket("crash")
+        os.environ.update(server.env())
+        for fmt in ("full", "sharded"):
+            r = W.store_crash_trials(f"s3://crash/{fmt}", fmt, args.trials, args.megabytes, args.seed)
+            failed |= bool(r["errors"])
+            rows.append(
+                [
+                    fmt,
+                    r["trials"],
+                    f"{r['save_ms']:.0f} ms",
+                    r["killed_mid_save"],
+                    r["loaded_previous"],
+                    r["loaded_new"],
+                    len(r["errors"]),
+                ]
+            )
+            for error in r["errors"]:
+                print(f"{fmt}: {error}")
+    header = [
+        "format (S3)",
+        "trials",
+        "save",
+        "killed mid-save",
+        "last = previous",
+        "last = new",
+        "unloadable",
+    ]
+    print(table(rows, header))
     return 1 if failed else 0
 
 

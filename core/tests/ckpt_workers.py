@@ -287,6 +287,190 @@ def crash_trials(directory: str, fmt: str, trials: int, megabytes: int, seed: in
     }
 
 
+# -------------------------------------------------------------------------------------------------
+# asynchronous saves (blocking=False), in every rank of an Engine.launch
+# -------------------------------------------------------------------------------------------------
+
+
+def _wide_model() -> torch.nn.Module:
+    # 4 x 1024 x 1024 weights: 16 MiB of parameters, 48 MiB with AdamW's state, so a save takes a while.
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+
+
+def async_saves(engine: sg.Engine, root: str, failing_dir: str) -> dict[str, Any]:
+    """Per format: train, save with blocking=False, keep training while the save runs (every rank takes the
+    same steps: the ranks agree each step whether any is still writing), then load what was saved and compare
+    it with the state at the step it was taken; then a save that fails in the background (a real EFBIG)."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"rank": engine.rank}
+    for fmt in ("full", "sharded"):
+        torch.manual_seed(0)
+        model = _wide_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = engine.setup(model, optimizer)
+
+        def step(model: Any = model, optimizer: Any = optimizer) -> None:
+            loss = model(torch.randn(4, 1024)).pow(2).mean()
+            engine.backward(loss, model)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for _ in range(2):
+            step()
+        at_save = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        moments = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
+        path = f"{root}/async-{fmt}"
+        start = time.perf_counter()
+        engine.save(path, {"model": model, "optimizer": optimizer, "step": 2}, format=fmt, blocking=False)
+        returned = time.perf_counter() - start
+        steps_during = 0
+        while bool(engine.all_reduce(torch.tensor(float(engine.checkpoint_in_flight())), "max") > 0):
+            step()
+            steps_during += 1
+        written = time.perf_counter() - start
+        engine.wait_for_checkpoint()
+        changed = any(not torch.equal(v, at_save[k]) for k, v in model.state_dict().items())
+        torch.manual_seed(1)
+        probe = _wide_model()
+        probe_opt = torch.optim.AdamW(probe.parameters(), lr=1e-3)
+        probe, probe_opt = engine.setup(probe, probe_opt)
+        rest = engine.load(path, {"model": probe, "optimizer": probe_opt})
+        same = all(torch.equal(v, at_save[k]) for k, v in probe.state_dict().items())
+        loaded_moments = {k: v["exp_avg"] for k, v in probe_opt.state_dict()["state"].items()}
+        same_moments = moments.keys() == loaded_moments.keys() and all(
+            torch.equal(moments[k], loaded_moments[k]) for k in moments
+        )
+        out[fmt] = {
+            "returned_s": returned,
+            "written_s": written,
+            "steps_during_save": steps_during,
+            "training_changed_params": changed,
+            "loaded_equals_state_at_save": same,
+            "loaded_moments_equal": same_moments,
+            "step": rest["step"],
+        }
+
+        # A background write that fails: the previous checkpoint at the path stays, the next save raises.
+        target = Path(failing_dir) / f"fails-{fmt}{'.pt' if fmt == 'full' else ''}"
+        engine.save(target, {"model": model, "step": 1}, format=fmt)
+        with file_size_limit(64 * 1024):
+            engine.save(target, {"model": model, "step": 2}, format=fmt, blocking=False)
+            step()
+            try:
+                engine.save(Path(failing_dir) / f"next-{fmt}", {"model": model, "step": 3}, format=fmt)
+                out[fmt]["next_save_error"] = None
+            except CheckpointError as error:
+                out[fmt]["next_save_error"] = str(error)
+        out[fmt]["previous_intact_step"] = engine.load(target, {"model": probe})["step"]
+    return {"ranks": [engine.broadcast(out, src) for src in range(engine.world_size)]}
+
+
+def _store_version(engine: sg.Engine, url: str, model: torch.nn.Module) -> int:
+    return _version_of(engine, url, model)  # type: ignore[arg-type]
+
+
+def store_crash_trials(
+    root_url: str, fmt: str, trials: int, megabytes: int, seed: int, asynchronous: bool = False
+) -> dict[str, Any]:
+    """SIGKILL a Trainer-style periodic save to an object store at random moments.
+
+    Each trial forks a process that saves ``step-N`` under ``root_url/checkpoints`` as the Trainer does
+    (checkpoint, then the ``last`` pointer, then pruning to 2) and kills it after a delay drawn uniformly from
+    [0, 1.15 x a whole save]. Then the lookup behind ``ckpt_path="last"`` must find a checkpoint that loads
+    whole, holding N-1 or N, and every prefix the lookup would accept must load whole too.
+    ``asynchronous``: the saves are ``blocking=False`` (``last`` and pruning run once the background write
+    has published), as with ``Trainer(async_checkpoint=True)``.
+    """
+    from stratagem._run_dir import checkpoint_name, find_last_checkpoint, is_complete, prune, publish_last
+    from stratagem.checkpoint import _store
+
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    directory = _store.join(root_url, "checkpoints")
+    engine = sg.Engine(strategy="single_device", accelerator="cpu")
+    model, probe = Blob(megabytes), Blob(megabytes)
+
+    def periodic_save(step: int) -> None:
+        name = checkpoint_name(step, fmt)
+
+        def published() -> None:
+            publish_last(directory, name)
+            prune(directory, keep=2, protect=name)
+
+        target = _store.join(directory, name)
+        if asynchronous:
+            engine.save(
+                target, {"model": model, "step": step}, format=fmt, blocking=False, _on_published=published
+            )
+            engine.wait_for_checkpoint()
+        else:
+            engine.save(target, {"model": model, "step": step}, format=fmt)
+            published()
+
+    def forked(step: int) -> int:
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                periodic_save(step)
+            except BaseException:
+                code = 3
+            os._exit(code)
+        return pid
+
+    _fill(model, 0.0)
+    periodic_save(0)
+    durations = []
+    for _ in range(2):
+        start = time.perf_counter()
+        _, status = os.waitpid(forked(0), 0)
+        durations.append(time.perf_counter() - start)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    duration = min(durations)
+    current, killed = 0, 0
+    outcomes, errors = {"previous": 0, "new": 0}, []
+    for trial in range(1, trials + 1):
+        _fill(model, float(trial))
+        delay = rng.uniform(0.0, 1.15 * duration)
+        pid = forked(trial)
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        killed += os.WIFSIGNALED(status)
+        try:
+            found = find_last_checkpoint(directory)
+            assert found is not None, "no checkpoint found"
+            version = _store_version(engine, str(found), probe)
+            for name in _store.children(directory):
+                step = int(name.split("-")[1].split(".")[0]) if name.startswith("step-") else None
+                url = _store.join(directory, name)
+                if step is not None and is_complete(url) and _store_version(engine, url, probe) != step:
+                    raise AssertionError(f"{name} is complete but does not hold step {step}")
+        except Exception as error:
+            errors.append(
+                f"trial {trial} (kill after {delay * 1000:.0f} ms): {type(error).__name__}: {error}"
+            )
+            continue
+        if version == trial:
+            outcomes["new"] += 1
+            current = trial
+        elif version == current:
+            outcomes["previous"] += 1
+        else:
+            errors.append(f"trial {trial}: found version {version}, expected {current} or {trial}")
+    return {
+        "format": fmt,
+        "asynchronous": asynchronous,
+        "trials": trials,
+        "megabytes": megabytes,
+        "save_ms": round(duration * 1000, 1),
+        "killed_mid_save": killed,
+        "loaded_previous": outcomes["previous"],
+        "loaded_new": outcomes["new"],
+        "errors": errors,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -296,8 +480,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megabytes", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--directory", required=True)
+    p.add_argument(
+        "--async", dest="asynchronous", action="store_true", help="blocking=False saves (store URLs)"
+    )
     args = parser.parse_args(argv)
-    result = crash_trials(args.directory, args.format, args.trials, args.megabytes, args.seed)
+    if "://" in args.directory:
+        result = store_crash_trials(
+            args.directory, args.format, args.trials, args.megabytes, args.seed, args.asynchronous
+        )
+    else:
+        result = crash_trials(args.directory, args.format, args.trials, args.megabytes, args.seed)
     print(json.dumps(result))
     return 0
 

@@ -40,6 +40,13 @@ def _clip_value(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def _root_dir(value: Any) -> Path | str:
+    """A local directory as a Path; an object-store URL kept as it is (its scheme checked)."""
+    from stratagem.checkpoint._store import location
+
+    return location(value)
+
+
 @attrs.frozen(kw_only=True)
 class TrainerOptions:
     """The loop's options, checked when the Trainer is made (before anything launches)."""
@@ -55,7 +62,7 @@ class TrainerOptions:
     checkpoint_every_n_steps: int | None = attrs.field(default=None, validator=_optional_positive(int))
     keep_last_k: int | None = attrs.field(default=None, validator=_optional_positive(int))
     checkpoint_format: str | None = attrs.field(default=None)
-    default_root_dir: Path = attrs.field(default=Path("runs"), converter=Path)
+    default_root_dir: Path | str = attrs.field(default=Path("runs"), converter=_root_dir)
     seed: int | None = attrs.field(default=None)
     log_every_n_steps: int = attrs.field(default=10, validator=_positive_int)
     enable_progress_bar: bool = True
@@ -65,6 +72,7 @@ class TrainerOptions:
         default=None, converter=_optional_float, validator=_optional_positive(float)
     )
     restart_from_scratch: bool = False
+    async_checkpoint: bool = False
 
     def __attrs_post_init__(self) -> None:
         periodic = self.checkpoint_every_n_steps is not None or self.checkpoint_every_n_minutes is not None

@@ -1,14 +1,16 @@
 """A run's checkpoint directory: ``step-NNNNNN[.ckpt]`` names, the ``last`` pointer, finding the newest complete
-checkpoint and pruning old ones."""
+checkpoint and pruning old ones. The directory is a local path or an object-store URL (see
+docs/checkpoints.md, "Object stores": ``last`` is an object written after the checkpoint's own publication, and
+pruning deletes a sharded checkpoint's manifest before its data, so a half-deleted one is never complete)."""
 
 from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 
-from stratagem.checkpoint import METADATA_FILE
+from stratagem.checkpoint import METADATA_FILE, _store
 from stratagem.checkpoint._atomic import atomic_file
+from stratagem.checkpoint._store import Location
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_POINTER = "last"
@@ -19,25 +21,34 @@ def checkpoint_name(step: int, format: str) -> str:
     return f"step-{step:06d}" + (".ckpt" if format == "full" else "")
 
 
-def publish_last(directory: Path, name: str) -> None:
+def publish_last(directory: Location, name: str) -> None:
     """Point ``directory/last`` at ``name`` (atomically: a reader sees the old pointer or the new one)."""
+    if isinstance(directory, str):
+        _store.write_bytes(_store.join(directory, LAST_POINTER), (name + "\n").encode())
+        return
     with atomic_file(directory / LAST_POINTER) as tmp:
         tmp.write_text(name + "\n")
 
 
-def checkpoint_step(path: Path) -> int | None:
-    match = _CHECKPOINT_NAME.match(path.name)
+def checkpoint_step(path: Location) -> int | None:
+    match = _CHECKPOINT_NAME.match(_store.name_of(path))
     return int(match.group(1)) if match else None
 
 
-def is_complete(path: Path) -> bool:
+def is_complete(path: Location) -> bool:
+    if isinstance(path, str):
+        if _store.is_file(path):
+            return _store.size(path) > 0
+        return _store.exists(_store.join(path, METADATA_FILE))
     if path.is_file():
         return path.stat().st_size > 0
     return path.is_dir() and (path / METADATA_FILE).is_file()
 
 
-def find_last_checkpoint(directory: Path) -> Path | None:
+def find_last_checkpoint(directory: Location) -> Location | None:
     """The checkpoint ``directory/last`` names, if complete; else the newest complete ``step-*``."""
+    if isinstance(directory, str):
+        return _find_last_remote(directory)
     pointer = directory / LAST_POINTER
     if pointer.is_file():
         named = directory / pointer.read_text().strip()
@@ -51,12 +62,43 @@ def find_last_checkpoint(directory: Path) -> Path | None:
     return candidates[-1][1] if candidates else None
 
 
-def prune(directory: Path, *, keep: int, protect: str) -> None:
+def _find_last_remote(directory: str) -> str | None:
+    try:
+        named = _store.read_bytes(_store.join(directory, LAST_POINTER)).decode().strip()
+    except FileNotFoundError:
+        named = ""
+    if named and "/" not in named and is_complete(_store.join(directory, named)):
+        return _store.join(directory, named)
+    candidates = sorted(
+        (step, name)
+        for name in _store.children(directory)
+        if (step := checkpoint_step(name)) is not None and is_complete(_store.join(directory, name))
+    )
+    return _store.join(directory, candidates[-1][1]) if candidates else None
+
+
+def remove_checkpoint(target: Location) -> None:
+    """Delete one checkpoint (file or directory, local or on a store); a store's manifest goes first, so that
+    from then on the prefix is no checkpoint, whatever is left of it."""
+    if isinstance(target, str):
+        _store.remove_object(_store.join(target, METADATA_FILE))
+        _store.remove_tree(target)
+    elif target.is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        target.unlink(missing_ok=True)
+
+
+def prune(directory: Location, *, keep: int, protect: str) -> None:
+    if isinstance(directory, str):
+        names = sorted(
+            (step, n) for n in _store.children(directory) if (step := checkpoint_step(n)) is not None
+        )
+        for _, name in names[:-keep]:
+            if name != protect:
+                remove_checkpoint(_store.join(directory, name))
+        return
     checkpoints = sorted((step, p) for p in directory.iterdir() if (step := checkpoint_step(p)) is not None)
     for _, path in checkpoints[:-keep]:
-        if path.name == protect:
-            continue
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        if path.name != protect:
+            remove_checkpoint(path)

@@ -69,7 +69,9 @@ def _plugin_consolidation(source: str) -> Any:
     from stratagem._manager import get_registry
     from stratagem.errors import CheckpointError
 
-    meta_file = Path(source) / "stratagem.json"
+    if "://" in source and not source.startswith("file://"):
+        return None  # strategies' own layouts live on local disks
+    meta_file = Path(source.removeprefix("file://")) / "stratagem.json"
     if not meta_file.is_file():
         return None
     try:
@@ -112,5 +114,11 @@ def _checkpoint(args: argparse.Namespace) -> int:
         output = plugin_consolidate(args.source, args.output)
     else:
         output = _offline.consolidate(args.source, args.output, scratch_dir=args.scratch_dir)
-    print(f"wrote {output} (full checkpoint, {_size(output.stat().st_size)})")
+    if isinstance(output, str):
+        from stratagem.checkpoint import _store
+
+        size = _store.size(output)
+    else:
+        size = output.stat().st_size
+    print(f"wrote {output} (full checkpoint, {_size(size)})")
     return 0

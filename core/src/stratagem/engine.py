@@ -15,6 +15,7 @@ from stratagem import _rerun
 from stratagem import cluster as cluster_mod
 from stratagem import launcher as agent
 from stratagem._manager import StrategyHooks, get_registry, installed_plugins
+from stratagem.checkpoint import _atomic, _store
 from stratagem.errors import CapabilityError, CheckpointError, ConfigurationError, WorkerFailedError
 from stratagem.precision import normalize
 from stratagem.seed import seed_everything
@@ -162,6 +163,7 @@ class Engine:
             _ = self._hooks
         self._environment_ready = False
         self._models: list[torch.nn.Module] = []
+        self._pending_save: Any = None
 
     # construction ----------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -514,23 +516,73 @@ class Engine:
         return self._hooks.no_sync(self._model_for(model))
 
     # checkpoints -----------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], state: dict[str, Any], format: str | None = None) -> None:
-        """Save ``state`` from every rank (``format``: ``full`` or ``sharded``; default: the strategy's)."""
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        format: str | None = None,
+        *,
+        blocking: bool = True,
+        _on_published: Callable[[], None] | None = None,
+    ) -> None:
+        """Save ``state`` from every rank (``format``: ``full`` or ``sharded``; default: the strategy's).
+
+        ``path``: a local path or an object-store URL (``s3://``, ``gs://``, ``az://``, ``memory://``; see
+        docs/checkpoints.md). ``blocking=False`` returns once the state is copied off the training path (sharded:
+        ``torch.distributed.checkpoint.async_save``; full: rank 0 writes a CPU copy in a background thread). At
+        most one save is in flight: the next save, a load, :meth:`wait_for_checkpoint` or :meth:`teardown` waits
+        for it and raises its failure, naming the path, on every rank.
+        """
         self.setup_environment()
+        _store.location(path)  # an unknown URL scheme fails here, on every rank, before any collective
+        self.wait_for_checkpoint()
         fmt = format or _default_format(self.strategy)
         caps = self.capabilities
         if caps is not None and fmt not in caps.checkpoint_formats:
             alternatives = [i.name for i in get_registry() if fmt in i.capabilities.checkpoint_formats]
             raise CapabilityError(self.strategy.name, "checkpoint format", fmt, alternatives)
-        self._hooks.save_checkpoint(os.fspath(path), _strategy_objects(state), fmt)
+        own_layout = type(self.strategy).save_checkpoint is not Strategy.save_checkpoint
+        if blocking or own_layout:
+            if not blocking:
+                warnings.warn(
+                    f"strategy {self.strategy.name!r} writes checkpoints its own way; saving synchronously.",
+                    stacklevel=2,
+                )
+            self._hooks.save_checkpoint(os.fspath(path), _strategy_objects(state), fmt)
+            if _on_published is not None:
+                _on_published()
+            return
+        from stratagem.checkpoint import _io
+
+        self._pending_save = _io.save(
+            self.strategy,
+            os.fspath(path),
+            _strategy_objects(state),
+            fmt,
+            blocking=False,
+            on_published=_on_published,
+        )
+
+    def checkpoint_in_flight(self) -> bool:
+        """True while this rank's part of a ``blocking=False`` save is still being written."""
+        return self._pending_save is not None and not self._pending_save.done()
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the save in flight (``blocking=False``), on every rank; raise its failure with the path."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            from stratagem.checkpoint import _io
+
+            _io.finish(self.strategy, pending)
 
     def load(
         self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool = True
     ) -> dict[str, Any]:
         """Fill ``state``'s modules, optimizers and stateful objects in place; return the other saved entries."""
         self.setup_environment()
-        target = Path(path)
-        if not target.exists() and not target.with_name(target.name + ".stratagem-old").exists():
+        self.wait_for_checkpoint()
+        target = _store.location(path)
+        if isinstance(target, Path) and not target.exists() and not _atomic.old_sibling(target).exists():
             raise CheckpointError(target, "does not exist. Pass the path of a checkpoint file or directory.")
         return self._hooks.load_checkpoint(os.fspath(path), _strategy_objects(state), strict)
 
@@ -566,6 +618,7 @@ class Engine:
     def teardown(self) -> None:
         """Leave the process group. Call once at the end; the engine cannot be used after."""
         if self._environment_ready:
+            self.wait_for_checkpoint()
             self._hooks.teardown()
             self._environment_ready = False
 

@@ -26,7 +26,7 @@ from stratagem._recovery import Recovery
 from stratagem._resume import Position, continue_at_world_size, start_epoch
 from stratagem._run_dir import CHECKPOINT_DIR, checkpoint_name, find_last_checkpoint, prune, publish_last
 from stratagem._watchdog import collective_timeout
-from stratagem.checkpoint import PerRank
+from stratagem.checkpoint import PerRank, _atomic, _store
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
 from stratagem.errors import CheckpointError, ConfigurationError
 from stratagem.module import Module
@@ -66,6 +66,9 @@ class Trainer:
     :param checkpoint_every_n_minutes: also checkpoint on this wall-clock cadence (rank 0's clock decides).
     :param restart_from_scratch: allow ``max_restarts`` without any checkpoint cadence (a restart then begins at
         step 0); refused otherwise.
+    :param async_checkpoint: periodic checkpoints return once the state is copied off the training path and are
+        written in the background (one at a time; a failure is raised at the next save or at the end of ``fit``,
+        which waits for the last one). See docs/checkpoints.md.
     :param launcher: how the workers start (see :class:`~stratagem.Engine`): ``"auto"``, a name, or an instance.
     :param callbacks: objects whose methods implement Trainer events with ``@stratagem.hookimpl``
         (:mod:`stratagem.callbacks` has ``EarlyStopping``, ``ModelCheckpoint``, ``LearningRateMonitor``,
@@ -104,6 +107,7 @@ class Trainer:
         launcher: Any = "auto",
         callbacks: Any = None,
         loggers: Any = None,
+        async_checkpoint: bool = False,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -123,6 +127,7 @@ class Trainer:
             max_restarts=max_restarts,
             checkpoint_every_n_minutes=checkpoint_every_n_minutes,
             restart_from_scratch=restart_from_scratch,
+            async_checkpoint=async_checkpoint,
         )
         self.engine = Engine(
             strategy=strategy,
@@ -192,12 +197,12 @@ class Trainer:
         return self.engine.is_global_zero
 
     @property
-    def default_root_dir(self) -> Path:
+    def default_root_dir(self) -> Path | str:
         return self.options.default_root_dir
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return self.options.default_root_dir / CHECKPOINT_DIR
+    def checkpoint_dir(self) -> Path | str:
+        return _store.join(self.options.default_root_dir, CHECKPOINT_DIR)
 
     @property
     def is_logging_step(self) -> bool:
@@ -262,8 +267,16 @@ class Trainer:
         self._setup(model, with_optimizers=False)
         return self._run_validation(self._prepare_loader(dataloaders))
 
-    def save_checkpoint(self, path: str | os.PathLike[str], format: str | None = None) -> None:
-        """Save the model, optimizers, schedulers, position in the data and RNG states. Call it on every rank."""
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        format: str | None = None,
+        *,
+        blocking: bool = True,
+        _on_published: Any = None,
+    ) -> None:
+        """Save the model, optimizers, schedulers, position in the data and RNG states. Call it on every rank.
+        ``blocking=False``: see :meth:`Engine.save`."""
         if self.model is None:
             raise ConfigurationError("save_checkpoint() before fit(): there is no model set up to save yet.")
         extras: dict[str, Any] = {}
@@ -282,7 +295,13 @@ class Trainer:
         )
         if "on_save_checkpoint" in self._events.implemented:
             state["callbacks"] = PerRank(self._events.collect_states(self, str(path)))
-        self.engine.save(path, state, format=format or self.checkpoint_format)
+        self.engine.save(
+            path,
+            state,
+            format=format or self.checkpoint_format,
+            blocking=blocking,
+            _on_published=_on_published,
+        )
         self._last_saved_step = self.position.step
         self._recovery.saved()
 
@@ -332,8 +351,8 @@ class Trainer:
     def _check_ckpt_path(ckpt_path: Any) -> None:
         if ckpt_path is None or ckpt_path == "last":
             return
-        target = Path(ckpt_path)
-        if not target.exists() and not target.with_name(target.name + ".stratagem-old").exists():
+        target = _store.location(ckpt_path)
+        if isinstance(target, Path) and not target.exists() and not _atomic.old_sibling(target).exists():
             raise CheckpointError(
                 target,
                 'does not exist. Pass an existing checkpoint, "last" (the newest under '
@@ -419,19 +438,19 @@ class Trainer:
         return state
 
     # checkpoints -----------------------------------------------------------------------------------
-    def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | None:
+    def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None:
         if ckpt_path is None:
             return None
         if ckpt_path != "last":
-            return Path(ckpt_path)
+            return _store.location(ckpt_path)
         found = find_last_checkpoint(self.checkpoint_dir) if self.engine.is_global_zero else None
         found = self.engine.broadcast(None if found is None else str(found), 0)
         if found is None:
             self.print(f"No checkpoint under {self.checkpoint_dir}: training from the start.")
             return None
-        return Path(found)
+        return _store.location(found)
 
-    def _load_for_resume(self, path: Path) -> None:
+    def _load_for_resume(self, path: Path | str) -> None:
         rest = self.engine.load(path, self._live_state(), strict=True)
         progress = rest.get("progress")
         if not isinstance(progress, dict):
@@ -461,7 +480,21 @@ class Trainer:
 
     def _save_periodic(self) -> None:
         name = checkpoint_name(self.position.step, self.checkpoint_format)
-        self.save_checkpoint(self.checkpoint_dir / name)
+        if self.options.async_checkpoint:
+            directory, keep = self.checkpoint_dir, self.options.keep_last_k
+
+            def published() -> None:  # rank 0, in the background, once the checkpoint is published
+                publish_last(directory, name)
+                if keep is not None:
+                    prune(directory, keep=keep, protect=name)
+
+            self.save_checkpoint(
+                _store.join(directory, name),
+                blocking=False,
+                _on_published=published if self.engine.is_global_zero else None,
+            )
+            return
+        self.save_checkpoint(_store.join(self.checkpoint_dir, name))
         if self.engine.is_global_zero:
             publish_last(self.checkpoint_dir, name)
             if self.options.keep_last_k is not None:
@@ -499,6 +532,7 @@ class Trainer:
             )
             if periodic and self._last_saved_step != self.position.step:
                 self._save_periodic()
+            self.engine.wait_for_checkpoint()  # fit returns with every checkpoint written (or raises)
             events.call("on_fit_end", trainer=self)
         except Exception as error:
             self._on_exception(error)

@@ -218,6 +218,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--ckpt-minutes", type=float, default=None)
     p.add_argument("--restart-from-scratch", action="store_true")
+    p.add_argument("--async-ckpt", action="store_true", help="Trainer(async_checkpoint=True)")
     return p.parse_args(argv)
 
 
@@ -234,7 +235,8 @@ def main(argv: list[str]) -> None:
             num_nodes=args.num_nodes,
             max_steps=args.steps,
             accumulate_grad_batches=accumulate,
-            default_root_dir=Path(args.root) / f"run{i}",
+            # An object-store URL (s3://...) stays a URL; Path() would fold its "//".
+            default_root_dir=f"{args.root}/run{i}" if "://" in args.root else Path(args.root) / f"run{i}",
             checkpoint_every_n_steps=args.ckpt_every,
             checkpoint_format=args.format,
             keep_last_k=args.keep_last_k,
@@ -245,6 +247,7 @@ def main(argv: list[str]) -> None:
             max_restarts=args.max_restarts,
             checkpoint_every_n_minutes=args.ckpt_minutes,
             restart_from_scratch=args.restart_from_scratch,
+            async_checkpoint=args.async_ckpt,
             launcher=args.launcher,
         )
         module = Regression(dropout=args.dropout, optimizer=args.optimizer, scheduler=args.scheduler)

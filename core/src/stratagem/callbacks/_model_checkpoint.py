@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
-from pathlib import Path
 from typing import Any
 
+from stratagem.checkpoint import _store
 from stratagem.callbacks._monitor import check_mode, monitored_value
 from stratagem.errors import ConfigurationError
 from stratagem.hookspecs import hookimpl
@@ -56,7 +55,7 @@ class ModelCheckpoint:
         self.mode = check_mode("ModelCheckpoint", mode)
         self.save_top_k = save_top_k
         self.every_n_steps = every_n_steps
-        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.dirpath = None if dirpath is None else _store.location(dirpath)
         self.format = format
         self.state_key = f"ModelCheckpoint[{monitor}]" if monitor else "ModelCheckpoint"
         #: ``[name, score, step]`` of the kept best, best first.
@@ -105,28 +104,21 @@ class ModelCheckpoint:
             label = f"{_UNSAFE.sub('_', self.monitor)}-{score:.6g}"
         fmt = self.format or trainer.checkpoint_format
         name = f"step-{step:06d}-{label}" + (".ckpt" if fmt == "full" else "")
-        directory = self.dirpath if self.dirpath is not None else Path(trainer.checkpoint_dir)
+        directory = self.dirpath if self.dirpath is not None else trainer.checkpoint_dir
         candidates = [e for e in self.best if e[0] != name] + [[name, score, step]]
         candidates.sort(key=(lambda e: -e[2]) if self.monitor is None else self._rank_key)
         before = (list(self.best), self.last)
         self.best, self.last = candidates[: self.save_top_k], name
         try:
-            trainer.save_checkpoint(directory / name, format=fmt)
+            trainer.save_checkpoint(_store.join(directory, name), format=fmt)
         except BaseException:
             self.best, self.last = before
             raise
         if trainer.is_global_zero:
-            from stratagem._run_dir import publish_last
+            from stratagem._run_dir import publish_last, remove_checkpoint
 
             publish_last(directory, name)
             keep = {e[0] for e in self.best} | {name}
             for old in {e[0] for e in before[0]} | ({before[1]} if before[1] else set()):
                 if old not in keep:
-                    _remove(directory / old)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+                    remove_checkpoint(_store.join(directory, old))

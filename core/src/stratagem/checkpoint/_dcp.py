@@ -71,13 +71,22 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata(path: Path, rank: int | None = None) -> Any:
-    """The DCP index of directory ``path``, read with the restricted unpickler."""
+def _open_index(path: Path | str, name: str) -> Any:
+    if isinstance(path, str):
+        from stratagem.checkpoint import _store
+
+        fs, root = _store.filesystem(path)
+        return fs.open(f"{root.rstrip('/')}/{name}", "rb")
+    return open(path / name, "rb")
+
+
+def read_metadata(path: Path | str, rank: int | None = None) -> Any:
+    """The DCP index of directory (or store prefix) ``path``, read with the restricted unpickler."""
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    file = path / (".metadata" if rank is None else f"__{rank}.metadata")
+    name = ".metadata" if rank is None else f"__{rank}.metadata"
     try:
-        with open(file, "rb") as stream:
+        with _open_index(path, name) as stream:
             meta = _MetadataUnpickler(stream).load()
     except FileNotFoundError as error:
         raise CheckpointError(
@@ -94,17 +103,33 @@ def read_metadata(path: Path, rank: int | None = None) -> Any:
     return meta
 
 
-def safe_reader(path: Path) -> Any:
-    """A ``FileSystemReader`` whose index is read by :func:`read_metadata`."""
-    from torch.distributed.checkpoint import FileSystemReader
+def safe_reader(path: Path | str) -> Any:
+    """A ``FileSystemReader`` (``FsspecReader`` for a store URL) whose index is read by :func:`read_metadata`."""
+    if isinstance(path, str):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as Reader
+    else:
+        from torch.distributed.checkpoint import FileSystemReader as Reader
 
-    class SafeFileSystemReader(FileSystemReader):
+    class SafeReader(Reader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            meta = read_metadata(Path(self.path), kwargs.get("rank"))
+            meta = read_metadata(path, kwargs.get("rank"))
             meta.storage_meta.load_id = self.load_id
             return meta
 
-    return SafeFileSystemReader(str(path))
+    return SafeReader(str(path))
+
+
+def writer(path: Path | str) -> Any:
+    """DCP's writer for a directory, or ``FsspecWriter`` for a store prefix (an object is durable once its
+    upload completes, so no fsync)."""
+    if isinstance(path, str):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        # Four files per rank, uploaded by four threads: one stream per rank would send its parts one by one.
+        return FsspecWriter(path, sync_files=False, thread_count=4)
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(str(path))
 
 
 def _load_plain(value: io.BytesIO) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic, _dcp
+from stratagem.checkpoint import _atomic, _dcp, _store
 from stratagem.checkpoint._layout import (
     METADATA_FILE,
     STATE_FILE,
@@ -31,6 +32,7 @@ from stratagem.checkpoint._layout import (
     owner_of,
     pack_per_rank,
     read_json_metadata,
+    sharded_data,
     unpack_per_rank,
 )
 from stratagem.errors import CheckpointError
@@ -126,8 +128,11 @@ def _converted(strategy: Any, parts: Parts, full: bool) -> dict[str, Any]:
     }
 
 
-def _prepare_target(target: Path, fmt: str) -> None:
+def _prepare_target(target: Path | str, fmt: str) -> None:
     """Rank 0, before writing: refuse a target of the other kind, finish an interrupted swap, clean up."""
+    if isinstance(target, str):
+        _prepare_remote_target(target, fmt)
+        return
     if fmt == "full" and target.is_dir():
         raise CheckpointError(target, "is a directory; a full checkpoint is one file. Choose another path.")
     if fmt == "sharded" and target.is_file():
@@ -143,6 +148,32 @@ def _prepare_target(target: Path, fmt: str) -> None:
     _atomic.remove_stale_temporaries(target)
 
 
+def _prepare_remote_target(target: str, fmt: str) -> None:
+    try:
+        _store.check_bucket(target)
+        if fmt == "full" and _store.exists(_store.join(target, METADATA_FILE)):
+            raise CheckpointError(
+                target, "holds a sharded checkpoint; a full checkpoint is one object. Choose another URL."
+            )
+        if fmt == "sharded" and _store.is_file(target):
+            raise CheckpointError(
+                target,
+                "is an object (a full checkpoint); a sharded checkpoint is a prefix. Choose another URL.",
+            )
+    except CheckpointError:
+        raise
+    except Exception as error:
+        raise CheckpointError(target, _store.describe_error(target, error)) from error
+
+
+def _remove_unpublished_data(target: str, keep: str) -> None:
+    """After publishing: delete the data prefixes the manifest does not name (the previous version's,
+    and those that crashed saves left)."""
+    for name in _store.children(target):
+        if name.startswith(_store.DATA_PREFIX) and name != keep:
+            _store.remove_tree(_store.join(target, name))
+
+
 # -------------------------------------------------------------------------------------------------
 # save
 # -------------------------------------------------------------------------------------------------
@@ -151,18 +182,105 @@ def _prepare_target(target: Path, fmt: str) -> None:
 # the writes. Nothing reaches the target path until every rank has succeeded.
 
 
-def save(strategy: Any, path: str | Path, state: dict[str, Any], fmt: str) -> None:
-    target = Path(path)
+class PendingSave:
+    """A save whose writes go on in the background (``blocking=False``); :func:`finish` ends it on every rank."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = path
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._future: Any = None
+
+    def start(self, work: Any) -> None:
+        def run() -> None:
+            try:
+                work()
+            except BaseException as error:  # kept, and raised on every rank by finish()
+                self.error = error
+
+        self._thread = threading.Thread(target=run, name="stratagem-checkpoint", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """True once this rank's part of the save has finished (written, or failed)."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        return self._future is None or self._future.done()
+
+    def wait(self) -> BaseException | None:
+        if self._future is not None:
+            try:
+                self._future.result()
+            except _dcp.ERRORS as error:
+                self.error = self.error or error
+        if self._thread is not None:
+            self._thread.join()
+        return self.error
+
+
+def finish(strategy: Any, pending: PendingSave) -> None:
+    """Wait for a background save on every rank; raise its failure (any rank's) on all of them, naming the path.
+
+    A collective: every rank calls it at the same point (the next save, a load, the end of ``fit``)."""
+    error = pending.wait()
+    if error is not None and not isinstance(error, CheckpointError):
+        if isinstance(error, _atomic.WriteError):
+            error = CheckpointError(pending.path, f"the background save failed: {error}")
+        else:
+            error = CheckpointError(pending.path, f"the background save failed: {_describe(error)}")
+    _agree(strategy, pending.path, error)
+
+
+def save(
+    strategy: Any,
+    path: str | Path,
+    state: dict[str, Any],
+    fmt: str,
+    *,
+    blocking: bool = True,
+    on_published: Any = None,
+) -> PendingSave | None:
+    """Save on every rank. With ``blocking=False``, return once the state is copied off the training path;
+    the writes go on in the background (``on_published``, on the ranks that pass it, runs after they are
+    published) and :func:`finish` waits for them."""
+    target = _store.location(path)
     if fmt not in ("full", "sharded"):
         raise CheckpointError(target, f"unknown format {fmt!r}; use 'full' or 'sharded'.")
     parts = classify(state)
     if fmt == "full":
-        _save_full(strategy, target, parts)
-    else:
-        _save_sharded(strategy, target, parts)
+        return _save_full(strategy, target, parts, blocking, on_published)
+    return _save_sharded(strategy, target, parts, blocking, on_published)
 
 
-def _save_full(strategy: Any, target: Path, parts: Parts) -> None:
+def _cpu_copy(value: Any) -> Any:
+    """A copy of ``value`` that training cannot change: tensors copied to CPU, containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cpu_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_cpu_copy(v) for v in value)
+    return value
+
+
+def _async_group(strategy: Any) -> Any:
+    """A gloo process group of its own for DCP's background collectives (training keeps the default one)."""
+    if not _distributed():
+        return None
+    group = getattr(strategy, "_stratagem_checkpoint_group", None)
+    if group is None:
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo")
+        strategy._stratagem_checkpoint_group = group
+    return group
+
+
+def _save_full(
+    strategy: Any, target: Path | str, parts: Parts, blocking: bool = True, on_published: Any = None
+) -> PendingSave | None:
     local, error = _attempt(_local_state, parts)
     if error is None and strategy.is_global_zero:
         _, error = _attempt(_prepare_target, target, "full")
@@ -180,25 +298,65 @@ def _save_full(strategy: Any, target: Path, parts: Parts) -> None:
     payload, error = _attempt(convert)
     _agree(strategy, target, error)
 
+    if not blocking:
+        pending = PendingSave(target)
+        if strategy.is_global_zero:
+            copy, pending.error = _attempt(
+                _cpu_copy, payload
+            )  # out of memory: raised by finish(), everywhere
+            del payload
+
+            def write_in_background() -> None:
+                write_full(target, copy)
+                if on_published is not None:
+                    on_published()
+
+            if pending.error is None:
+                pending.start(write_in_background)
+        return pending
+
     def write() -> None:
-        with _atomic.atomic_file(target) as tmp:
-            torch.save(payload, tmp)
+        write_full(target, payload)
 
     if strategy.is_global_zero:
         _, error = _attempt(write)
     _agree(strategy, target, error)
+    if on_published is not None:
+        on_published()
+    return None
 
 
-def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
+def write_full(target: Path | str, payload: dict[str, Any]) -> None:
+    """Rank 0: the full checkpoint file, atomically (a renamed temporary; on a store, one upload)."""
+    if isinstance(target, str):
+        try:
+            with _store.upload(target) as tmp:
+                torch.save(payload, tmp)
+        except Exception as error:
+            raise _atomic.WriteError(_store.describe_error(target, error)) from error
+        return
+    with _atomic.atomic_file(target) as tmp:
+        torch.save(payload, tmp)
+
+
+def _save_sharded(
+    strategy: Any, target: Path | str, parts: Parts, blocking: bool = True, on_published: Any = None
+) -> PendingSave | None:
     import torch.distributed.checkpoint as dcp
 
-    tmp = Path(strategy.broadcast(str(_atomic.temporary_sibling(target)), 0))
+    remote = isinstance(target, str)
+    if remote:
+        data_name = strategy.broadcast(_store.new_data_prefix(), 0)
+        tmp: Path | str = _store.join(target, data_name)
+    else:
+        tmp = Path(strategy.broadcast(str(_atomic.temporary_sibling(target)), 0))
     local, error = _attempt(_local_state, parts)
     if error is None and strategy.is_global_zero:
 
         def make_directory() -> None:
             _prepare_target(target, "sharded")
-            tmp.mkdir(parents=True)
+            if isinstance(tmp, Path):
+                tmp.mkdir(parents=True)
 
         _, error = _attempt(make_directory)
     _agree(strategy, target, error)
@@ -214,31 +372,120 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
             # DCP runs its own agreement inside save and raises on every rank if any rank failed.
             try:
                 with _single_process_quiet():
-                    dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not _distributed())
+                    dcp.save(tensors, storage_writer=_dcp.writer(tmp), no_dist=not _distributed())
             except _dcp.ERRORS as error:
+                if isinstance(tmp, str):
+                    raise _atomic.WriteError(_store.describe_error(tmp, error)) from error
                 raise _atomic.WriteError(
                     _atomic.explain_write_failure(tmp, error, _dcp.describe(error))
                 ) from error
 
+        meta = metadata(strategy, "sharded", parts) if strategy.is_global_zero else {}
+        if not blocking:
+            return _save_sharded_in_background(strategy, target, tmp, tensors, plain, meta, on_published)
+
         _, error = _attempt(write_shards)
         _agree(strategy, target, error)
 
-        def write_rest() -> None:
-            try:
-                torch.save(plain, tmp / STATE_FILE)
-                meta = metadata(strategy, "sharded", parts)
-                (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
-            except Exception as error:
-                raise _atomic.WriteError(_atomic.explain_write_failure(tmp, error)) from error
-            _atomic.publish_directory(tmp, target)
-
         if strategy.is_global_zero:
-            _, error = _attempt(write_rest)
+            _, error = _attempt(_publish_sharded, target, tmp, plain, meta)
         _agree(strategy, target, error)
+        if on_published is not None:
+            on_published()
+        return None
     except BaseException:
         if strategy.is_global_zero:
-            _atomic.remove(tmp)
+            if isinstance(tmp, str):
+                with contextlib.suppress(Exception):
+                    _store.remove_tree(tmp)
+            else:
+                _atomic.remove(tmp)
         raise
+
+
+def _publish_sharded(
+    target: Path | str, tmp: Path | str, plain: dict[str, Any], meta: dict[str, Any]
+) -> None:
+    """Rank 0, once every rank's shards are written: the plain state and metadata, then publication."""
+    if isinstance(tmp, str):
+        publish_sharded_remote(target, _store.name_of(tmp), plain, meta)
+        return
+    assert isinstance(target, Path)
+    try:
+        torch.save(plain, tmp / STATE_FILE)
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+    except Exception as error:
+        raise _atomic.WriteError(_atomic.explain_write_failure(tmp, error)) from error
+    _atomic.publish_directory(tmp, target)
+
+
+def _save_sharded_in_background(
+    strategy: Any,
+    target: Path | str,
+    tmp: Path | str,
+    tensors: dict[str, Any],
+    plain: dict[str, Any],
+    meta: dict[str, Any],
+    on_published: Any,
+) -> PendingSave:
+    """``dcp.async_save``: it copies the shards to CPU memory before returning, then writes them in a thread
+    (collectives on a group of their own); rank 0 publishes once its future says every rank has written."""
+    import torch.distributed.checkpoint as dcp
+
+    pending = PendingSave(target)
+    plain = _cpu_copy(plain)
+    try:
+        with _single_process_quiet():
+            future = dcp.async_save(
+                tensors,
+                storage_writer=_dcp.writer(tmp),
+                process_group=_async_group(strategy),
+                no_dist=not _distributed(),
+            )
+    except _dcp.ERRORS as error:
+        future, failed = None, error
+    else:
+        failed = None
+    if not strategy.is_global_zero:
+        pending._future = future
+        pending.error = failed
+        return pending
+
+    def publish_in_background() -> None:
+        try:
+            if failed is not None:
+                raise failed
+            try:
+                future.result()
+            except _dcp.ERRORS as error:
+                raise _atomic.WriteError(_dcp.describe(error)) from error
+            _publish_sharded(target, tmp, plain, meta)
+        except BaseException:
+            if isinstance(tmp, str):
+                with contextlib.suppress(Exception):
+                    _store.remove_tree(tmp)
+            else:
+                _atomic.remove(tmp)
+            raise
+        if on_published is not None:
+            on_published()
+
+    pending.start(publish_in_background)
+    return pending
+
+
+def publish_sharded_remote(target: Any, data_name: str, plain: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Rank 0, once every rank's shards and DCP's index are written under ``target/data_name``: the plain
+    state, then the manifest (the checkpoint exists from that single PUT on), then old data is deleted."""
+    data = _store.join(target, data_name)
+    try:
+        with _store.upload(_store.join(data, STATE_FILE)) as file:
+            torch.save(plain, file)
+        manifest = {**meta, "data": data_name}
+        _store.write_bytes(_store.join(target, METADATA_FILE), json.dumps(manifest, indent=2).encode())
+    except Exception as error:
+        raise _atomic.WriteError(_store.describe_error(target, error)) from error
+    _remove_unpublished_data(target, data_name)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -246,10 +493,15 @@ def _save_sharded(strategy: Any, target: Path, parts: Parts) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
-def read_full(path: Path) -> dict[str, Any]:
-    """Read a full checkpoint file without running any pickled code."""
+def read_full(path: Path | str) -> dict[str, Any]:
+    """Read a full checkpoint file (or store object) without running any pickled code."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if isinstance(path, str):
+            import io
+
+            payload = torch.load(io.BytesIO(_store.read_bytes(path)), map_location="cpu", weights_only=True)
+        else:
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         raise CheckpointError(
             path, f"cannot be read as a stratagem checkpoint (truncated, corrupt, or not one): {error}"
@@ -261,7 +513,8 @@ def read_full(path: Path) -> dict[str, Any]:
 
 
 def load(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-    source = _atomic.recover(Path(path))
+    target = _store.location(path)
+    source = target if isinstance(target, str) else _atomic.recover(target)
     fmt = detect_format(source)
     parts = classify(state)
     if fmt == "full":
@@ -351,7 +604,7 @@ def _fitting_optimizer_state(
     return {**saved, "state": state, "param_groups": groups}
 
 
-def _load_full(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[str, Any]:
+def _load_full(strategy: Any, path: Path | str, parts: Parts, strict: bool) -> dict[str, Any]:
     payload = read_full(path)
     models, optimizers = payload.get("model", {}), payload.get("optimizers", {})
     dropped: dict[int, set[str]] = {}
@@ -386,18 +639,29 @@ def _load_full(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[st
     return _restore_plain(strategy, parts, payload.get("state", {}), strict, path)
 
 
-def saved_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def saved_tensor_shapes(path: Path | str) -> dict[str, tuple[int, ...]]:
     """Flattened key -> global shape of every tensor in a DCP directory, from its index alone."""
     return _dcp.tensor_shapes(_dcp.read_metadata(path))
 
 
-def read_sharded_state(path: Path) -> dict[str, Any]:
-    """The plain state (``state.pt``) of a sharded checkpoint, read without running pickled code."""
-    state_file = path / STATE_FILE
-    if not state_file.exists():
-        return {}
+def read_sharded_state(path: Path | str) -> dict[str, Any]:
+    """The plain state (``state.pt``) of a sharded checkpoint, read without running pickled code.
+
+    ``path``: the directory holding the DCP files (on a store, the data prefix the manifest names)."""
     try:
-        saved = torch.load(state_file, map_location="cpu", weights_only=True)
+        if isinstance(path, str):
+            import io
+
+            try:
+                raw = _store.read_bytes(_store.join(path, STATE_FILE))
+            except FileNotFoundError:
+                return {}
+            saved = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        else:
+            state_file = path / STATE_FILE
+            if not state_file.exists():
+                return {}
+            saved = torch.load(state_file, map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(
             path, f"{STATE_FILE} is unreadable or holds more than plain data (refused): {error}"
@@ -407,11 +671,11 @@ def read_sharded_state(path: Path) -> dict[str, Any]:
     return saved
 
 
-def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict[str, Any]:
+def _load_sharded(strategy: Any, path: Path | str, parts: Parts, strict: bool) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    read_json_metadata(path)
-    shapes = saved_tensor_shapes(path)
+    data = sharded_data(path, read_json_metadata(path))
+    shapes = saved_tensor_shapes(data)
     target: dict[str, Any] = {"model": {}, "optimizers": {}}
     dropped: dict[int, set[str]] = {}
     kept: dict[str, dict[str, Any]] = {}
@@ -444,7 +708,7 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
         with _single_process_quiet():
             dcp.load(
                 target,
-                storage_reader=_dcp.safe_reader(path),
+                storage_reader=_dcp.safe_reader(data),
                 planner=_dcp.safe_load_planner(allow_partial_load=not strict),
                 no_dist=not _distributed(),
             )
@@ -476,4 +740,4 @@ def _load_sharded(strategy: Any, path: Path, parts: Parts, strict: bool) -> dict
                 target["optimizers"][key],
                 full=False,
             )
-    return _restore_plain(strategy, parts, read_sharded_state(path), strict, path)
+    return _restore_plain(strategy, parts, read_sharded_state(data), strict, path)

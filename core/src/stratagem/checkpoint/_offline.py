@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic, _dcp
-from stratagem.checkpoint._io import read_full, read_sharded_state
-from stratagem.checkpoint._layout import FORMAT_VERSION, detect_format, read_json_metadata
+from stratagem.checkpoint import _atomic, _dcp, _store
+from stratagem.checkpoint._io import read_full, read_sharded_state, write_full
+from stratagem.checkpoint._layout import FORMAT_VERSION, detect_format, read_json_metadata, sharded_data
 from stratagem.errors import CheckpointError
 
 # -------------------------------------------------------------------------------------------------
@@ -51,13 +51,16 @@ def _step(state: dict[str, Any]) -> Any:
             return value
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             return value.item()
-    trainer = state.get("trainer")
-    return _step(trainer) if isinstance(trainer, dict) else None
+    for key in ("trainer", "progress"):  # "progress": what Trainer.save_checkpoint writes
+        nested = state.get(key)
+        if isinstance(nested, dict) and (found := _step(nested)) is not None:
+            return found
+    return None
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
     """What a checkpoint holds: format, strategy, world size, step, tensors (name, shape, dtype), sizes."""
-    source = _atomic.recover(Path(path))
+    source = _source(path)
     fmt = detect_format(source)
     if fmt == "full":
         payload = read_full(source)
@@ -67,11 +70,12 @@ def inspect(path: str | Path) -> dict[str, Any]:
             {"model": payload.get("model", {}), "optimizers": payload.get("optimizers", {})}, ""
         )
         tensors += _tensors(state, "state")
-        on_disk = source.stat().st_size
+        on_disk = _store.size(source) if isinstance(source, str) else source.stat().st_size
     else:
         meta = read_json_metadata(source)
-        index = _dcp.read_metadata(source)
-        state = read_sharded_state(source)
+        data = sharded_data(source, meta)
+        index = _dcp.read_metadata(data)
+        state = read_sharded_state(data)
         tensors = []
         for key, item in sorted(index.state_dict_metadata.items()):
             if hasattr(item, "size"):
@@ -79,7 +83,10 @@ def inspect(path: str | Path) -> dict[str, Any]:
                 nbytes = math.prod(item.size) * torch.empty((), dtype=dtype).element_size()
                 tensors.append((key, tuple(item.size), str(dtype).replace("torch.", ""), nbytes))
         tensors += _tensors(state, "state")
-        on_disk = sum(f.stat().st_size for f in source.rglob("*") if f.is_file())
+        if isinstance(source, str):
+            on_disk = _store.tree_size(data) + _store.size(_store.join(source, "stratagem.json"))
+        else:
+            on_disk = sum(f.stat().st_size for f in source.rglob("*") if f.is_file())
     return {
         "path": str(source),
         "format": fmt,
@@ -108,11 +115,17 @@ def _mapped_empty(file: Path, size: tuple[int, ...], dtype: torch.dtype) -> torc
     return torch.from_file(str(file), shared=True, size=numel, dtype=dtype).view(size)
 
 
-def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path | None = None) -> Path:
+def _source(path: str | Path) -> Path | str:
+    where = _store.location(path)
+    return where if isinstance(where, str) else _atomic.recover(where)
+
+
+def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path | None = None) -> Path | str:
     """Write the sharded checkpoint ``source`` as a full checkpoint file ``output``.
 
     :param scratch_dir: where the file-mapped tensors live while the output is written (default: beside
-        the output, on the same file system; it needs about the checkpoint's size, freed at the end).
+        the output, on the same file system; for an object-store output, the system's temporary directory;
+        it needs about the checkpoint's size, freed at the end). Either path may be an object-store URL.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
@@ -120,15 +133,27 @@ def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path 
 
     from stratagem._version import __version__
 
-    source, output = _atomic.recover(Path(source)), Path(output)
+    source, output = _source(source), _store.location(output)
     if detect_format(source) != "sharded":
         raise CheckpointError(source, "is a file (a full checkpoint already); consolidate takes a directory.")
     meta = read_json_metadata(source)
-    index = _dcp.read_metadata(source)
-    if output.is_dir():
-        raise CheckpointError(output, "is a directory; give the path of the full checkpoint file to write.")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.scratch-", dir=scratch_dir or output.parent))
+    data = sharded_data(source, meta)
+    index = _dcp.read_metadata(data)
+    if isinstance(output, str):
+        if _store.exists(_store.join(output, "stratagem.json")):
+            raise CheckpointError(
+                output, "holds a sharded checkpoint; give the URL of the full object to write."
+            )
+        scratch_parent = scratch_dir
+    else:
+        if output.is_dir():
+            raise CheckpointError(
+                output, "is a directory; give the path of the full checkpoint file to write."
+            )
+        output.parent.mkdir(parents=True, exist_ok=True)
+        scratch_parent = scratch_dir or output.parent
+    name = _store.name_of(output)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{name}.scratch-", dir=scratch_parent))
     try:
         flat: dict[str, Any] = {}
         for i, (key, item) in enumerate(index.state_dict_metadata.items()):
@@ -141,7 +166,7 @@ def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path 
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(
                     flat,
-                    storage_reader=_dcp.safe_reader(source),
+                    storage_reader=_dcp.safe_reader(data),
                     planner=_dcp.safe_load_planner(flatten_state_dict=False, flatten_sharded_tensors=False),
                     no_dist=True,
                 )
@@ -162,11 +187,10 @@ def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path 
             },
             "model": nested.get("model", {}),
             "optimizers": nested.get("optimizers", {}),
-            "state": read_sharded_state(source),
+            "state": read_sharded_state(data),
         }
         try:
-            with _atomic.atomic_file(output) as tmp:
-                torch.save(payload, tmp)
+            write_full(output, payload)
         except Exception as error:
             raise CheckpointError(output, f"could not be written: {type(error).__name__}: {error}") from error
         del payload, nested, flat

@@ -19,7 +19,12 @@ class RankZeroLogger:
         self.started = False
 
     def directory(self, trainer: Any) -> Path:
-        return self.save_dir if self.save_dir is not None else Path(trainer.default_root_dir)
+        if self.save_dir is not None:
+            return Path(self.save_dir)
+        from stratagem.checkpoint._store import local_dir
+
+        # A run on an object store keeps its local files under ./runs/<scheme>/<bucket>/<prefix>.
+        return local_dir(trainer.default_root_dir)
 
     def start(self, trainer: Any, params: dict[str, Any]) -> None:
         raise NotImplementedError
