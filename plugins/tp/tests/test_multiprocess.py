@@ -68,13 +68,25 @@ def test_tp_matches_one_process_reference(run2: dict, ref: dict, key: str) -> No
     assert result["sampler_replicas"] == 1  # every tp rank sees the whole batch
 
 
-@pytest.mark.parametrize("key", ["string", "callable"])
+@pytest.mark.parametrize("key", ["string", "callable", "meta_options"])
 def test_fsdp_tp_matches_one_process_reference(run4: dict, ref: dict, key: str) -> None:
     result = _ok(run4, key)
     assert w.max_diff(result["params"], ref["params"]) < TOL
     assert result["norms"] == pytest.approx(ref["norms"], rel=1e-5)
     assert result["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert result["sampler_replicas"] == 2
+
+
+def test_fsdp_tp_units_and_activation_checkpointing(run4: dict) -> None:
+    result = _ok(run4, "meta_options")
+    assert result["units"] == ["<root>", "blocks.0", "blocks.1"]
+    assert result["checkpointed"] == 2
+
+
+def test_trainer_sees_the_mesh_in_configure_model_and_matches_the_reference(run2: dict, ref: dict) -> None:
+    result = _ok(run2, "trainer")
+    assert result["mesh"] == ((2,), ("tp",)) and result["heads_per_rank"] == 2
+    assert w.max_diff(result["params"], ref["params"]) < TOL
 
 
 def test_meshes(run2: dict, run4: dict) -> None:

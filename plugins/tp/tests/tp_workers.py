@@ -276,8 +276,29 @@ def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
         e.teardown()
         return shape
 
+    def meta_init_with_options() -> dict[str, Any]:
+        # Deferred init, one FSDP unit per block, activation checkpointing of each block: same numbers.
+        strategy = FSDPTPStrategy(
+            plan=PLAN,
+            tensor_parallel_size=2,
+            auto_wrap_policy={Block},
+            activation_checkpointing_policy={Block},
+        )
+        run_engine, model, _, result = run_strategy(strategy, 4, empty_init=True)
+        from torch.distributed.fsdp import FSDPModule
+
+        result["units"] = sorted(
+            clean(n) or "<root>" for n, m in model.named_modules() if isinstance(m, FSDPModule)
+        )
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+        result["checkpointed"] = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+        run_engine.teardown()
+        return result
+
     _guard(out, "string", string_plan)
     _guard(out, "callable", callable_plan)
+    _guard(out, "meta_options", meta_init_with_options)
     _guard(out, "default_mesh", default_size)
     out["bad_size"] = error_of(
         lambda: sg.Engine(
@@ -393,6 +414,7 @@ def two_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
     _guard(out, "callable", callable_plan)
     _guard(out, "meta_init", meta_init)
     _guard(out, "errors_bad_input", bad_input_checks)
+    _guard(out, "trainer", lambda: trainer_checks(workdir))
     _guard(out, "load_tp", lambda: load_checks(TPStrategy(plan=PLAN), workdir))
     _guard(out, "load_fsdp", lambda: load_checks("fsdp", workdir))
     return out if engine.rank == 0 else {}
@@ -428,3 +450,42 @@ def load_checks(strategy: Any, workdir: str) -> dict[str, Any]:
     out = {"params": full_params(model), "optimizer": full_optimizer(model, opt), "rest": rest}
     engine.teardown()
     return out
+
+
+class MeshAwareLM(sg.Module):
+    """A Trainer module that reads the mesh in configure_model, as one that splits heads by hand would."""
+
+    def configure_model(self) -> None:
+        mesh = self.trainer.engine.device_mesh
+        self.seen_mesh = (tuple(mesh.shape), tuple(mesh.mesh_dim_names))
+        self.heads_per_rank = HEADS // mesh["tp"].size()
+        torch.manual_seed(0)
+        self.lm = TinyLM()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        return loss_fn(self.lm(tokens), targets)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+def trainer_checks(workdir: str) -> dict[str, Any]:
+    """``Trainer.fit`` under tp, with the plan given for the module's names and the mesh read in configure_model."""
+    from stratagem.trainer import Trainer
+    from stratagem_tp import TPStrategy
+
+    plan = {f"lm.{k}": v for k, v in PLAN.items()}
+    trainer = Trainer(
+        strategy=TPStrategy(plan=plan),
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        gradient_clip_val=MAX_NORM,
+        enable_progress_bar=False,
+        default_root_dir=str(Path(workdir) / "trainer"),
+    )
+    module = MeshAwareLM()
+    trainer.fit(module, torch.utils.data.DataLoader(dataset(), batch_size=GLOBAL_BATCH))
+    params = {k[len("lm.") :]: v for k, v in full_params(trainer.model).items()}
+    return {"mesh": module.seen_mesh, "heads_per_rank": module.heads_per_rank, "params": params}
