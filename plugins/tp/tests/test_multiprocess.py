@@ -89,6 +89,21 @@ def test_trainer_sees_the_mesh_in_configure_model_and_matches_the_reference(run2
     assert w.max_diff(result["params"], ref["params"]) < TOL
 
 
+#: bf16 against float32 training: a bfloat16 rounding (8 bits of mantissa, 4e-3 relative) per op, not a
+#: different trajectory. Three steps move the loss by 0.4 (3.48 -> 3.05 -> 2.70), 20 times this bound.
+BF16_LOSS_TOL = 2e-2
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_declared_low_precisions_train(run2: dict, run4: dict, ref: dict, precision: str) -> None:
+    for run in (run2, run4):
+        result = _ok(run, precision)
+        assert result["output_dtype"] == "torch.bfloat16"
+        assert result["param_dtype"] == ("torch.float32" if precision == "bf16-mixed" else "torch.bfloat16")
+        assert result["losses"] == pytest.approx(ref["losses"][:3], abs=BF16_LOSS_TOL)
+    assert ref["losses"][0] - ref["losses"][2] > 20 * BF16_LOSS_TOL
+
+
 def test_meshes(run2: dict, run4: dict) -> None:
     assert run2["registered"] == "tp" and run4["registered"] == "fsdp_tp"
     assert _ok(run2, "string")["mesh"] == ((2,), ("tp",))

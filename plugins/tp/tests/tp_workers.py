@@ -172,13 +172,20 @@ def train(engine: sg.Engine, model: torch.nn.Module, opt: Any, steps: int = STEP
         if step == steps:
             break
         with engine.forward_context():
-            loss = loss_fn(model(tokens), targets)
+            logits = model(tokens)
+            loss = loss_fn(logits.float(), targets)
         engine.backward(loss, model)
         norms.append(float(engine.clip_gradients(model, opt, MAX_NORM)))
         opt.step()
         opt.zero_grad()
         losses.append(float(engine.all_reduce(loss.detach(), "mean")))
-    return {"norms": norms, "losses": losses, "sampler_replicas": getattr(loader.sampler, "num_replicas", 1)}
+    return {
+        "norms": norms,
+        "losses": losses,
+        "sampler_replicas": getattr(loader.sampler, "num_replicas", 1),
+        "output_dtype": str(logits.dtype),
+        "param_dtype": str(next(iter(model.parameters())).dtype),
+    }
 
 
 def local_shapes(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -189,9 +196,9 @@ def local_shapes(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tup
 
 
 def run_strategy(
-    strategy: Any, devices: int, *, empty_init: bool = False
+    strategy: Any, devices: int, *, empty_init: bool = False, precision: str = "32-true", steps: int = STEPS
 ) -> tuple[sg.Engine, Any, Any, dict]:
-    engine = sg.Engine(strategy=strategy, accelerator="cpu", devices=devices)
+    engine = sg.Engine(strategy=strategy, accelerator="cpu", devices=devices, precision=precision)
     if empty_init:
         torch.manual_seed(0)
         with engine.init_module(empty_init=True):
@@ -201,9 +208,15 @@ def run_strategy(
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt = engine.setup(model, opt)
     out: dict[str, Any] = {"local_shapes": local_shapes(model), "applied": dict(engine.strategy.applied_plan)}
-    out.update(train(engine, model, opt))
+    out.update(train(engine, model, opt, steps))
     out["params"] = full_params(model)
     return engine, model, opt, out
+
+
+def low_precision(strategy: Any, devices: int, precision: str) -> dict[str, Any]:
+    run_engine, _, _, result = run_strategy(strategy, devices, precision=precision, steps=3)
+    run_engine.teardown()
+    return result
 
 
 def error_of(function: Any) -> str | None:
@@ -299,6 +312,12 @@ def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
     _guard(out, "string", string_plan)
     _guard(out, "callable", callable_plan)
     _guard(out, "meta_options", meta_init_with_options)
+    for precision in ("bf16-mixed", "bf16-true"):
+        _guard(
+            out,
+            precision,
+            lambda p=precision: low_precision(FSDPTPStrategy(plan=PLAN, tensor_parallel_size=2), 4, p),
+        )
     _guard(out, "default_mesh", default_size)
     out["bad_size"] = error_of(
         lambda: sg.Engine(
@@ -413,6 +432,8 @@ def two_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
     _guard(out, "string", string_plan)
     _guard(out, "callable", callable_plan)
     _guard(out, "meta_init", meta_init)
+    for precision in ("bf16-mixed", "bf16-true"):
+        _guard(out, precision, lambda p=precision: low_precision(TPStrategy(plan=PLAN), 2, p))
     _guard(out, "errors_bad_input", bad_input_checks)
     _guard(out, "trainer", lambda: trainer_checks(workdir))
     _guard(out, "load_tp", lambda: load_checks(TPStrategy(plan=PLAN), workdir))
