@@ -166,7 +166,7 @@ def _saved(run4: dict) -> tuple[dict, dict]:
     return result["params"], result["saved_optimizer"]
 
 
-@pytest.mark.parametrize("key", ["load_tp", "load_fsdp"])
+@pytest.mark.parametrize("key", ["load_tp", "load_fsdp", "load_ddp_full"])
 def test_sharded_2x2_checkpoint_loads_bit_equal(run2: dict, run4: dict, key: str) -> None:
     params, optimizer = _saved(run4)
     loaded = _ok(run2, key)

@@ -139,7 +139,8 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def clean(name: str) -> str:
-    return ".".join(p for p in name.split(".") if p != "_checkpoint_wrapped_module")
+    # Wrappers' own components (activation checkpointing; DDP's "module"): this model has no module named so.
+    return ".".join(p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "module"))
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -272,6 +273,7 @@ def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
         }
         path = str(Path(workdir) / "fsdp_tp_2x2")
         run_engine.save(path, {"model": model, "optimizer": opt, "step": STEPS})
+        run_engine.save(path + ".pt", {"model": model, "optimizer": opt, "step": STEPS}, format="full")
         result["saved_optimizer"] = full_optimizer(model, opt)
         run_engine.teardown()
         return result
@@ -438,6 +440,7 @@ def two_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
     _guard(out, "trainer", lambda: trainer_checks(workdir))
     _guard(out, "load_tp", lambda: load_checks(TPStrategy(plan=PLAN), workdir))
     _guard(out, "load_fsdp", lambda: load_checks("fsdp", workdir))
+    _guard(out, "load_ddp_full", lambda: load_checks("ddp", workdir, suffix=".pt"))
     return out if engine.rank == 0 else {}
 
 
@@ -461,13 +464,13 @@ def bad_input_checks() -> dict[str, str | None]:
     }
 
 
-def load_checks(strategy: Any, workdir: str) -> dict[str, Any]:
-    """Load the 2 x 2 sharded checkpoint into a differently seeded model under another layout."""
+def load_checks(strategy: Any, workdir: str, suffix: str = "") -> dict[str, Any]:
+    """Load the 2 x 2 checkpoint (sharded; ``.pt``: full) into a differently seeded model under another layout."""
     engine = sg.Engine(strategy=strategy, accelerator="cpu", devices=2)
     model = make_model(seed=99)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt = engine.setup(model, opt)
-    rest = engine.load(str(Path(workdir) / "fsdp_tp_2x2"), {"model": model, "optimizer": opt})
+    rest = engine.load(str(Path(workdir) / "fsdp_tp_2x2") + suffix, {"model": model, "optimizer": opt})
     out = {"params": full_params(model), "optimizer": full_optimizer(model, opt), "rest": rest}
     engine.teardown()
     return out
