@@ -223,6 +223,10 @@ def test_hf_llama_trains_under_fsdp_tp_with_its_own_plan(run4: dict) -> None:
     assert result["applied"]["styles"]["model.layers.1.mlp.down_proj"] == "RowwiseParallel"
     assert result["local_shapes"]["model.layers.0.self_attn.q_proj.weight"] == ((8, 32), (32, 32))
     assert result["local_shapes"]["model.layers.0.self_attn.k_proj.weight"] == ((4, 32), (16, 32))
+    # transformers' embedding_rowwise: the vocabulary split over tp, then the rows halved again over dp.
+    assert result["model_plan"]["model.embed_tokens"] == "embedding_rowwise"
+    assert result["local_shapes"]["model.embed_tokens.weight"] == ((16, 32), (64, 32))
+    assert result["local_shapes"]["lm_head.weight"] == ((16, 32), (64, 32))
     untrained = w.max_diff({n: p.detach() for n, p in w.make_llama().named_parameters()}, expected["params"])
     assert untrained > 100 * LLAMA_TOL
     assert w.max_diff(result["params"], expected["params"]) < LLAMA_TOL
