@@ -438,6 +438,13 @@ class Engine:
             else torch.device("cuda" if self.accelerator == "cuda" else "cpu")
         )
 
+    @property
+    def device_mesh(self) -> Any:
+        """The strategy's ``DeviceMesh`` (``hsdp``, ``tp``, ``fsdp_tp`` own one), or ``None`` for a strategy
+        without a mesh. The core only hands it on; what its dimensions mean is the strategy's to document."""
+        self.setup_environment()
+        return getattr(self.strategy, "device_mesh", None)
+
     # model -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def init_module(self, empty_init: bool = False) -> Iterator[None]:

@@ -116,16 +116,19 @@ def plain_state(value: Any) -> Any:
     return value
 
 
-def reference_run(world_size: int) -> dict[str, Any]:
+def reference_run(world_size: int, replicas: int | None = None) -> dict[str, Any]:
     """Train in this process on the global batch with plain PyTorch: what every strategy must reproduce.
 
-    The batch of step ``s`` holds samples ``[s * B, (s + 1) * B)`` with ``B = step_batch(world_size)``:
+    The batch of step ``s`` holds samples ``[s * B, (s + 1) * B)`` with ``B = step_batch(replicas)``:
     exactly the samples the ranks see in that step through a ``DistributedSampler`` without shuffling.
+    ``replicas`` is the sampler's number of replicas (the data-parallel size, which the strategy's
+    ``distributed_sampler_kwargs`` gives): the world size, or fewer when ranks of a tensor-parallel group share
+    their samples.
     """
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     data = dataset(world_size)
-    size = step_batch(world_size)
+    size = step_batch(world_size if replicas is None else replicas)
     losses, norms, at_save = [], [], None
     for step in range(STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE):
         if step == STEPS_BEFORE_SAVE:

@@ -191,8 +191,11 @@ def run(subject: Subject, workdir: Path) -> ContractRun:
     result = ContractRun(subject=subject, workdir=workdir)
     single_device = workdir / "single_device.pt"
     if subject.no_training is None:
-        result.reference = m.reference_run(subject.world_size)
         result.single_device_payload = write_single_device_checkpoint(single_device)
     result.phase1 = _launch(result, 1, _spec(subject, workdir, 1, str(single_device)))
+    if subject.no_training is None:
+        # After the launch: the samples per step follow the data-parallel size the strategy reported.
+        straight = result.phase1.get(0, {}).get("straight") or {}
+        result.reference = m.reference_run(subject.world_size, straight.get("replicas"))
     result.phase2 = _launch(result, 2, _spec(subject, workdir, 2, str(single_device)))
     return result

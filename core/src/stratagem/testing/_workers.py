@@ -93,7 +93,11 @@ def batches(engine: Any) -> list[Any]:
     loader = torch.utils.data.DataLoader(
         m.dataset(engine.world_size), batch_size=m.PER_RANK_BATCH, shuffle=False
     )
-    return list(engine.setup_dataloaders(loader))
+    loader = engine.setup_dataloaders(loader)
+    # The data-parallel size the strategy chose (fewer than the ranks under tensor parallelism): the reference
+    # trains on that many ranks' samples per step.
+    _live["replicas"] = getattr(loader.sampler, "num_replicas", 1)
+    return list(loader)
 
 
 def train(
@@ -165,7 +169,7 @@ def straight_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
     data = batches(engine)
     _live.update(model=model, optimizer=optimizer, data=data)
     losses, norms = train(engine, model, optimizer, data, 0, m.STEPS_BEFORE_SAVE)
-    return {"losses": losses, "norms": norms, "params": observed_params(model)}
+    return {"losses": losses, "norms": norms, "params": observed_params(model), "replicas": _live["replicas"]}
 
 
 def saving(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
