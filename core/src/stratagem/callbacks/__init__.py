@@ -10,7 +10,9 @@ Importing this package imports none of them, nor torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from stratagem._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from stratagem.callbacks._early_stopping import EarlyStopping
@@ -27,11 +29,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'stratagem.callbacks' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

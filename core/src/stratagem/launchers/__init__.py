@@ -7,7 +7,9 @@ launches nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from stratagem._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from stratagem.launchers._job import LauncherCapabilities, LaunchJob
@@ -24,9 +26,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'stratagem.launchers' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from stratagem._lazy import lazy_getattr
 
 __all__ = ["SingleDeviceStrategy", "Strategy", "TorchDistributedStrategy"]
 
@@ -18,10 +20,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    # Lazy, so that importing the package (as the built-in plugin does) does not import torch.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'stratagem.strategies' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
