@@ -55,34 +55,13 @@ class StrategyInfo:
         missing = self.capabilities.missing_requirements()
         if missing:
             raise MissingDependencyError(self.name, missing)
-        if not isinstance(self.factory, str):
-            return self.factory
-        module_name, _, attr = self.factory.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-            target = module
-            for part in attr.split("."):
-                target = getattr(target, part)
-        except Exception as error:
-            raise PluginLoadError(
-                f"{self.name} -> {self.factory}", self.plugin.distribution, self.plugin.version, error
-            ) from error
-        return target  # type: ignore[return-value]
+        return _load_factory(self.name, self.factory, self.plugin)
 
     def create(self, **options: Any) -> Strategy:
         """Instantiate the strategy with the preset options, overridden by ``options``."""
         from stratagem.strategies import Strategy
 
-        cls = self.resolve_factory()
-        merged = {**self.preset_options, **options}
-        strategy = cls(**merged)
-        if not isinstance(strategy, Strategy):
-            raise ConfigurationError(
-                f"Strategy {self.name!r} from {self.plugin.distribution}: factory {self.factory!r} built a "
-                f"{type(strategy).__name__}, not a stratagem.strategies.Strategy."
-            )
-        strategy.registered_name = self.name
-        return strategy
+        return _instance(self, self.resolve_factory(), options, Strategy, "stratagem.strategies.Strategy")
 
     def to_json(self) -> dict[str, Any]:
         missing = self.capabilities.missing_requirements()
@@ -116,14 +95,7 @@ class LauncherInfo:
         if missing:
             raise MissingDependencyError(self.name, missing)
         cls = _load_factory(self.name, self.factory, self.plugin)
-        launcher = cls(**{**self.preset_options, **options})
-        if not isinstance(launcher, Launcher):
-            raise ConfigurationError(
-                f"Launcher {self.name!r} from {self.plugin.distribution}: factory {self.factory!r} built a "
-                f"{type(launcher).__name__}, not a stratagem.launchers.Launcher."
-            )
-        launcher.registered_name = self.name
-        return launcher
+        return _instance(self, cls, options, Launcher, "stratagem.launchers.Launcher")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -183,6 +155,19 @@ class CallbackInfo:
             "missing": self.missing_requirements(),
             "install": " ".join(f"'{r}'" for r in (self.install or self.missing_requirements())),
         }
+
+
+def _instance(info: Any, cls: Any, options: Mapping[str, Any], base: type, base_name: str) -> Any:
+    """``cls`` built with the registered preset options overridden by ``options``, checked to be a ``base``
+    and given the name it was registered under."""
+    made = cls(**{**info.preset_options, **options})
+    if not isinstance(made, base):
+        raise ConfigurationError(
+            f"{base.__name__} {info.name!r} from {info.plugin.distribution}: factory {info.factory!r} built a "
+            f"{type(made).__name__}, not a {base_name}."
+        )
+    made.registered_name = info.name
+    return made
 
 
 def _load_factory(name: str, factory: type | str, plugin: PluginInfo) -> Any:
