@@ -43,9 +43,10 @@ def test_registration_metadata_is_complete(contract_subject: Any) -> None:
 
 def test_hook_implementations_match_the_specs(contract_subject: Any) -> None:
     from stratagem import hookspecs
+    from stratagem._hook_object import check_hook_overrides
     from stratagem._manager import STRATEGY_HOOKS, StrategyHooks
     from stratagem.errors import HookImplementationError
-    from stratagem.strategies.base import Strategy, check_hook_overrides
+    from stratagem.strategies.base import Strategy
 
     cls = _strategy_class(contract_subject)
     problems = []

@@ -9,56 +9,17 @@ defined, and checks the override's arguments against the spec.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any, ContextManager
 
 import torch
 
-from stratagem import hookspecs
+from stratagem._hook_object import HookObject
 from stratagem.cluster import ClusterEnvironment
-from stratagem.errors import HookImplementationError
 from stratagem.hookspecs import hookimpl
 from stratagem.precision import autocast, default_dtype, param_dtype
 
 
-def _spec_arguments() -> dict[str, tuple[str, ...]]:
-    specs = {}
-    for name in dir(hookspecs):
-        function = getattr(hookspecs, name)
-        if callable(function) and hasattr(function, f"{hookspecs.PROJECT_NAME}_spec"):
-            specs[name] = tuple(inspect.signature(function).parameters)
-    return specs
-
-
-HOOK_ARGUMENTS = _spec_arguments()
-_IMPL_ATTR = f"{hookspecs.PROJECT_NAME}_impl"
-
-
-def check_hook_overrides(cls: type) -> None:
-    """Refuse a class whose override of a hook would be ignored or called with the wrong arguments."""
-    for name, spec_args in HOOK_ARGUMENTS.items():
-        if name not in cls.__dict__:
-            continue
-        member = cls.__dict__[name]
-        function = getattr(member, "__func__", member)
-        if not hasattr(function, _IMPL_ATTR):
-            raise HookImplementationError(
-                f"{cls.__module__}.{cls.__qualname__}.{name} overrides the hook {name!r} without "
-                f"@stratagem.hookimpl, so pluggy would silently keep calling the inherited implementation. "
-                f"Decorate it with @hookimpl (from stratagem import hookimpl)."
-            )
-        params = list(inspect.signature(function).parameters.values())
-        names = [p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        extra = [n for n in names if n not in spec_args]
-        if extra:
-            raise HookImplementationError(
-                f"{cls.__module__}.{cls.__qualname__}.{name}{inspect.signature(function)} takes "
-                f"{extra}, which the hook spec {name}{tuple(spec_args)} does not offer. An implementation may "
-                f"take any subset of the spec's arguments, by the same names."
-            )
-
-
-class Strategy:
+class Strategy(HookObject):
     """One process on one device. Subclasses override hooks, each with ``@hookimpl``.
 
     Besides the hooks, four plain methods convert state for checkpoints; a strategy whose modules or
@@ -76,14 +37,6 @@ class Strategy:
         self.cluster = ClusterEnvironment()
         self.precision = "32-true"
         self.scaler: Any = None
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        check_hook_overrides(cls)
-
-    @property
-    def name(self) -> str:
-        return self.registered_name or type(self).__name__
 
     @property
     def device(self) -> torch.device:
