@@ -293,8 +293,9 @@ def crash_trials(directory: str, fmt: str, trials: int, megabytes: int, seed: in
 
 
 def _wide_model() -> torch.nn.Module:
-    # 4 x 1024 x 1024 weights: 16 MiB of parameters, 48 MiB with AdamW's state, so a save takes a while.
-    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    # 4 x 1024 x 1024 weights: 16 MiB of parameters, 48 MiB with AdamW's state, so a save takes a while. The
+    # batch norm's statistics are buffers that every forward changes, between the save and the next step.
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)], torch.nn.BatchNorm1d(1024))
 
 
 def async_saves(engine: sg.Engine, root: str, failing_dir: str) -> dict[str, Any]:
@@ -317,19 +318,29 @@ def async_saves(engine: sg.Engine, root: str, failing_dir: str) -> dict[str, Any
 
         for _ in range(2):
             step()
+        # The next step's gradients first: right after save() returns, while the parameters and moments are
+        # still being copied in the background, a forward changes the batch-norm statistics and the optimizer
+        # steps. Neither may reach the checkpoint.
+        engine.backward(model(torch.randn(4, 1024)).pow(2).mean(), model)
         at_save = {k: v.detach().clone() for k, v in model.state_dict().items()}
         moments = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
         path = f"{root}/async-{fmt}"
         start = time.perf_counter()
         engine.save(path, {"model": model, "optimizer": optimizer, "step": 2}, format=fmt, blocking=False)
         returned = time.perf_counter() - start
+        with torch.no_grad():
+            model(torch.randn(4, 1024))
+        optimizer.step()
+        optimizer.zero_grad()
         steps_during = 0
         while bool(engine.all_reduce(torch.tensor(float(engine.checkpoint_in_flight())), "max") > 0):
             step()
             steps_during += 1
         written = time.perf_counter() - start
         engine.wait_for_checkpoint()
-        changed = any(not torch.equal(v, at_save[k]) for k, v in model.state_dict().items())
+        now = model.state_dict()
+        changed = any(not torch.equal(now[k], at_save[k]) for k in now if not k.startswith("4."))
+        buffers_changed = not torch.equal(now["4.running_mean"], at_save["4.running_mean"])
         torch.manual_seed(1)
         probe = _wide_model()
         probe_opt = torch.optim.AdamW(probe.parameters(), lr=1e-3)
@@ -345,6 +356,7 @@ def async_saves(engine: sg.Engine, root: str, failing_dir: str) -> dict[str, Any
             "written_s": written,
             "steps_during_save": steps_during,
             "training_changed_params": changed,
+            "training_changed_buffers": buffers_changed,
             "loaded_equals_state_at_save": same,
             "loaded_moments_equal": same_moments,
             "step": rest["step"],

@@ -341,7 +341,8 @@ def test_async_saves_to_s3_while_training_goes_on(s3: S3Server, tmp_path: Path) 
         for fmt in ("full", "sharded"):
             r = seen[fmt]
             assert r["steps_during_save"] >= 1, (fmt, r)  # training went on while the save ran ...
-            assert r["training_changed_params"], (fmt, r)  # ... and changed the parameters,
+            assert r["training_changed_params"], (fmt, r)  # ... and changed the parameters (copied in the
+            assert r["training_changed_buffers"], (fmt, r)  # background) and the buffers (copied at once),
             assert r["loaded_equals_state_at_save"] and r["loaded_moments_equal"], (
                 fmt,
                 r,

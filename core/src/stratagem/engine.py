@@ -535,8 +535,10 @@ class Engine:
         """Save ``state`` from every rank (``format``: ``full`` or ``sharded``; default: the strategy's).
 
         ``path``: a local path or an object-store URL (``s3://``, ``gs://``, ``az://``, ``memory://``; see
-        docs/checkpoints.md). ``blocking=False`` returns once the state is copied off the training path (sharded:
-        ``torch.distributed.checkpoint.async_save``; full: rank 0 writes a CPU copy in a background thread). At
+        docs/checkpoints.md). ``blocking=False`` returns before the state is written, and what is written is the
+        state at the call: parameters and optimizer state are copied in the background while the next forward
+        and backward run (every optimizer's ``step`` waits for that copy), the rest before returning (sharded:
+        ``torch.distributed.checkpoint.async_save``; full: rank 0 writes in a background thread). At
         most one save is in flight: the next save, a load, :meth:`wait_for_checkpoint` or :meth:`teardown` waits
         for it and raises its failure, naming the path, on every rank.
         """

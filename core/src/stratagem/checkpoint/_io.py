@@ -182,12 +182,64 @@ def _remove_unpublished_data(target: str, keep: str) -> None:
 # the writes. Nothing reaches the target path until every rank has succeeded.
 
 
+class StepFence:
+    """Holds every optimizer's ``step`` until the background copy of what a step would change is taken.
+
+    A background save must hold the state of the step it was taken at, yet copying all of it before
+    ``save`` returns stalls training for the whole copy. Parameters and optimizer state change only in an
+    optimizer step, so they are copied in the background while the next forward and backward run, and a
+    global step pre-hook makes any optimizer's step wait for that copy. What a forward may change (buffers,
+    such as batch-norm statistics) and the plain state are copied before ``save`` returns.
+    """
+
+    def __init__(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._staged = threading.Event()
+        self._handle = register_optimizer_step_pre_hook(self._hold)
+
+    def _hold(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._staged.wait()
+
+    def release(self) -> None:
+        """The copy is taken (or failed): steps go on. Any thread."""
+        self._staged.set()
+
+    def remove(self) -> None:
+        """Training thread only: the hook table is not to be changed while a step iterates over it."""
+        self._staged.wait()
+        self._handle.remove()
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """The address of the memory ``tensor`` lives in (a DTensor's: its local shard's); 0 if it has none."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    try:
+        return int(local.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # meta, sparse: nothing to share
+        return 0
+
+
+def _step_storages(parts: Parts) -> set[int]:
+    """The memory that only an optimizer step changes: the optimizers' parameters and their state."""
+    addresses: set[int] = set()
+    for optimizer in parts.optimizers.values():
+        for group in getattr(optimizer, "param_groups", ()):
+            addresses.update(_storage(p) for p in group.get("params", ()) if isinstance(p, torch.Tensor))
+        for per_param in getattr(optimizer, "state", {}).values():
+            if isinstance(per_param, dict):
+                addresses.update(_storage(v) for v in per_param.values() if isinstance(v, torch.Tensor))
+    addresses.discard(0)
+    return addresses
+
+
 class PendingSave:
     """A save whose writes go on in the background (``blocking=False``); :func:`finish` ends it on every rank."""
 
     def __init__(self, path: Path | str) -> None:
         self.path = path
         self.error: BaseException | None = None
+        self.fence: StepFence | None = None
         self._thread: threading.Thread | None = None
         self._future: Any = None
 
@@ -208,6 +260,9 @@ class PendingSave:
         return self._future is None or self._future.done()
 
     def wait(self) -> BaseException | None:
+        if self.fence is not None:
+            self.fence.remove()
+            self.fence = None
         if self._future is not None:
             try:
                 self._future.result()
@@ -252,16 +307,19 @@ def save(
     return _save_sharded(strategy, target, parts, blocking, on_published)
 
 
-def _cpu_copy(value: Any) -> Any:
-    """A copy of ``value`` that training cannot change: tensors copied to CPU, containers rebuilt."""
+def _cpu_copy(value: Any, select: Any = None) -> Any:
+    """A copy of ``value`` that training cannot change: tensors copied to CPU (those ``select`` accepts, if
+    given; the others are kept as they are), containers rebuilt."""
     if isinstance(value, torch.Tensor):
+        if select is not None and not select(value):
+            return value
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
+        return {k: _cpu_copy(v, select) for k, v in value.items()}
     if isinstance(value, list):
-        return [_cpu_copy(v) for v in value]
+        return [_cpu_copy(v, select) for v in value]
     if isinstance(value, tuple):
-        return tuple(_cpu_copy(v) for v in value)
+        return tuple(_cpu_copy(v, select) for v in value)
     return value
 
 
@@ -301,12 +359,19 @@ def _save_full(
     if not blocking:
         pending = PendingSave(target)
         if strategy.is_global_zero:
-            copy, pending.error = _attempt(
-                _cpu_copy, payload
-            )  # out of memory: raised by finish(), everywhere
+            # What a step changes is copied in the background, behind a StepFence; the rest now. A failure
+            # (out of memory) is raised by finish(), everywhere.
+            stepped = _step_storages(parts)
+            staged, pending.error = _attempt(_cpu_copy, payload, lambda t: _storage(t) not in stepped)
             del payload
+            fence = pending.fence = StepFence() if pending.error is None and stepped else None
 
             def write_in_background() -> None:
+                try:
+                    copy = _cpu_copy(staged, lambda t: _storage(t) in stepped) if stepped else staged
+                finally:
+                    if fence is not None:
+                        fence.release()
                 write_full(target, copy)
                 if on_published is not None:
                     on_published()
@@ -382,7 +447,9 @@ def _save_sharded(
 
         meta = metadata(strategy, "sharded", parts) if strategy.is_global_zero else {}
         if not blocking:
-            return _save_sharded_in_background(strategy, target, tmp, tensors, plain, meta, on_published)
+            return _save_sharded_in_background(
+                strategy, target, tmp, tensors, plain, meta, on_published, _step_storages(parts)
+            )
 
         _, error = _attempt(write_shards)
         _agree(strategy, target, error)
@@ -427,25 +494,49 @@ def _save_sharded_in_background(
     plain: dict[str, Any],
     meta: dict[str, Any],
     on_published: Any,
+    stepped: set[int],
 ) -> PendingSave:
-    """``dcp.async_save``: it copies the shards to CPU memory before returning, then writes them in a thread
-    (collectives on a group of their own); rank 0 publishes once its future says every rank has written."""
+    """``dcp.async_save``, which writes the shards in a thread (collectives on a group of their own) from a
+    CPU copy; rank 0 publishes once its future says every rank has written. The shards a step changes are
+    copied by DCP's stager in a thread of its own, behind a :class:`StepFence`; the rest before returning."""
     import torch.distributed.checkpoint as dcp
 
     pending = PendingSave(target)
     plain = _cpu_copy(plain)
+    stager = None
+    if stepped:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        tensors = _cpu_copy(tensors, lambda t: _storage(t) not in stepped)
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False,
+                use_shared_memory=False,
+                use_async_staging=True,
+                use_non_blocking_copy=False,
+            )
+        )
     try:
         with _single_process_quiet():
-            future = dcp.async_save(
+            response = dcp.async_save(
                 tensors,
                 storage_writer=_dcp.writer(tmp),
                 process_group=_async_group(strategy),
                 no_dist=not _distributed(),
+                async_stager=stager,
             )
     except _dcp.ERRORS as error:
         future, failed = None, error
+        if stager is not None:
+            stager.close()
     else:
         failed = None
+        future = response
+        if stager is not None:
+            fence = pending.fence = StepFence()
+            response.staging_completion.add_done_callback(lambda _: fence.release())
+            future = response.upload_completion
+            future.add_done_callback(lambda _: stager.close())
     if not strategy.is_global_zero:
         pending._future = future
         pending.error = failed
