@@ -207,7 +207,7 @@ def two_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"registered": engine.strategy.registered_name, "world": engine.world_size}
     blocks = {Block}
     out["full_shard"] = train(FSDPStrategy(auto_wrap_policy=blocks), clip=MAX_NORM, probe_after_forward=True)
-    from stratagem_fsdp import strategy as strategy_module
+    from stratagem_fsdp import _wrap as strategy_module
 
     out["hsdp"] = train("hsdp", clip=MAX_NORM)
     out["hsdp"]["messages"] = sorted(strategy_module._warned)
@@ -484,7 +484,7 @@ def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         model, opt = engine.setup(model, opt)
-    from stratagem_fsdp import strategy as strategy_module
+    from stratagem_fsdp import _wrap as strategy_module
 
     # setup_environment ran before this function: read what it warned about from the once-only record.
     out["messages"] = _messages(caught) + sorted(strategy_module._warned)

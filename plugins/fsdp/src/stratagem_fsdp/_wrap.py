@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -13,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from stratagem_fsdp._policy import Policy
 
@@ -87,7 +90,7 @@ def set_prefetch(model: torch.nn.Module, forward: bool, backward: str | None) ->
     own gradients are computed. Returns the units in that order.
     """
     units = [m for m in model.modules() if m is not model and is_sharded(m)]
-    units = [u for u in units if not any(u is not o and _contains(o, u) for o in units)]
+    units = [u for u in units if not any(u is not o and contains(o, u) for o in units)]
     if forward:
         for current, following in itertools.pairwise(units):
             current.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
@@ -97,5 +100,45 @@ def set_prefetch(model: torch.nn.Module, forward: bool, backward: str | None) ->
     return units
 
 
-def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+def contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
+
+
+_MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def mixed_precision(precision: str, override: MixedPrecisionPolicy | None = None) -> MixedPrecisionPolicy:
+    """The ``fully_shard`` policy for a precision name (``override``, the user's own policy, wins)."""
+    if override is not None:
+        return override
+    dtype = _MIXED.get(precision)
+    if dtype is not None:
+        # Compute in the low precision, reduce gradients in float32: the sharded parameters and the
+        # optimizer stay float32.
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if precision == "bf16-true":
+        # The parameters are bf16 already; the policy casts floating-point inputs to match them.
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    return MixedPrecisionPolicy()
+
+
+@contextlib.contextmanager
+def without_gradient_sync(model: Any) -> Iterator[None]:
+    """Gradients accumulate unsharded on each rank; the first backward after the block reduce-scatters them."""
+    model.set_requires_gradient_sync(False, recurse=True)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True, recurse=True)
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str, show: bool, source: str = "stratagem-fsdp") -> None:
+    """Warn once per process, and only where ``show`` (rank 0), so a run prints each message once."""
+    if message in _warned:
+        return
+    _warned.add(message)
+    if show:
+        warnings.warn(f"{source}: {message}", UserWarning, stacklevel=3)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import warnings
-from collections.abc import Iterator
 from typing import Any, ContextManager
 
 import torch
@@ -22,8 +20,7 @@ from stratagem.wrapping import has_meta_tensors, wrapping_with
 from stratagem_fsdp import _init, _mesh, _wrap
 from stratagem_fsdp._config import NO_LONGER_APPLY, FSDPConfig
 
-_MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-_warned: set[str] = set()
+warn_once = _wrap.warn_once
 
 
 class FSDPStrategy(TorchDistributedStrategy):
@@ -134,17 +131,7 @@ class FSDPStrategy(TorchDistributedStrategy):
         }
 
     def mixed_precision(self) -> MixedPrecisionPolicy:
-        if self.config.mixed_precision is not None:
-            return self.config.mixed_precision
-        dtype = _MIXED.get(self.precision)
-        if dtype is not None:
-            # Compute in the low precision, reduce gradients in float32: the sharded parameters and the
-            # optimizer stay float32.
-            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        if self.precision == "bf16-true":
-            # The parameters are bf16 already; the policy casts floating-point inputs to match them.
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-        return MixedPrecisionPolicy()
+        return _wrap.mixed_precision(self.precision, self.config.mixed_precision)
 
     def offload(self) -> OffloadPolicy:
         if self.config.cpu_offload is False or self.device.type != "cuda":
@@ -213,29 +200,10 @@ class FSDPStrategy(TorchDistributedStrategy):
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
         if not _wrap.is_sharded(model):
             return contextlib.nullcontext()
-        return _without_gradient_sync(model)
+        return _wrap.without_gradient_sync(model)
 
     # teardown --------------------------------------------------------------------------------------
     @hookimpl
     def teardown(self) -> None:
         self._device_mesh = None
         TorchDistributedStrategy.teardown(self)
-
-
-@contextlib.contextmanager
-def _without_gradient_sync(model: Any) -> Iterator[None]:
-    # Gradients accumulate unsharded on each rank; the first backward after the block reduce-scatters them.
-    model.set_requires_gradient_sync(False, recurse=True)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True, recurse=True)
-
-
-def warn_once(message: str, show: bool) -> None:
-    """Warn once per process, and only where ``show`` (rank 0), so a run prints each message once."""
-    if message in _warned:
-        return
-    _warned.add(message)
-    if show:
-        warnings.warn(f"stratagem-fsdp: {message}", UserWarning, stacklevel=3)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import warnings
 from typing import Any, ContextManager
 
 import torch
@@ -26,9 +25,6 @@ from stratagem.strategies.torch_distributed import TorchDistributedStrategy
 from stratagem.wrapping import has_meta_tensors, wrapping_with
 from stratagem_fsdp import _init, _wrap
 from stratagem_tp import _config, _plan
-
-_MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-_warned: set[str] = set()
 
 
 class TPStrategy(TorchDistributedStrategy):
@@ -285,7 +281,7 @@ class FSDPTPStrategy(TPStrategy):
         wrapper_of = {id(getattr(m, "_checkpoint_wrapped_module", m)): m for m in model.modules()}
         for module in reversed(self._marked_units):
             module = wrapper_of.get(id(module), module)
-            if module is not model and all(module is not u for u in units) and _contains(model, module):
+            if module is not model and all(module is not u for u in units) and _wrap.contains(model, module):
                 units.append(module)
         self._marked_units = []
         reshard = True if self.config.reshard_after_forward is None else self.config.reshard_after_forward
@@ -293,35 +289,13 @@ class FSDPTPStrategy(TPStrategy):
         return _wrap.shard_root(model, kwargs, self.config.reshard_after_forward)
 
     def mixed_precision(self) -> Any:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        if self.config.mixed_precision is not None:
-            return self.config.mixed_precision
-        dtype = _MIXED.get(self.precision)
-        if dtype is not None:
-            return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        if self.precision == "bf16-true":
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-        return MixedPrecisionPolicy()
+        return _wrap.mixed_precision(self.precision, self.config.mixed_precision)
 
     @hookimpl
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
         if not _wrap.is_sharded(model):
             return contextlib.nullcontext()
-        return _without_gradient_sync(model)
-
-
-@contextlib.contextmanager
-def _without_gradient_sync(model: Any) -> Any:
-    model.set_requires_gradient_sync(False, recurse=True)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True, recurse=True)
-
-
-def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
+        return _wrap.without_gradient_sync(model)
 
 
 def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -346,8 +320,4 @@ def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def warn_once(message: str, show: bool) -> None:
     """Warn once per process, and only where ``show`` (rank 0)."""
-    if message in _warned:
-        return
-    _warned.add(message)
-    if show:
-        warnings.warn(f"stratagem-tp: {message}", UserWarning, stacklevel=3)
+    _wrap.warn_once(message, show, source="stratagem-tp")
