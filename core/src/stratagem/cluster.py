@@ -92,6 +92,14 @@ def _slurm_master_addr(nodelist: str) -> str:
     return match.group(1) + number
 
 
+def _cuda_index(local_rank: int) -> int:
+    """The CUDA device of this local rank: its own index among the node's devices, or the only one it sees when
+    the launcher gave each worker a device of its own (Ray sets ``CUDA_VISIBLE_DEVICES`` per actor)."""
+    import torch
+
+    return 0 if torch.cuda.device_count() == 1 else local_rank
+
+
 def resolve_accelerator(accelerator: str) -> str:
     if accelerator not in ("auto", "cpu", "cuda", "gpu"):
         raise ConfigurationError(f"accelerator={accelerator!r} is not one of 'auto', 'cpu', 'cuda'.")
@@ -134,7 +142,7 @@ def detect(
         rank, local_rank, world_size, node_rank, nodes = 0, 0, 1, 0, 1
         addr, port = "127.0.0.1", int(env.get("MASTER_PORT", "29500"))
     if accelerator == "cuda":
-        device, backend = f"cuda:{local_rank}", "nccl"
+        device, backend = f"cuda:{_cuda_index(local_rank)}", "nccl"
     else:
         device, backend = "cpu", "gloo"
     return ClusterEnvironment(

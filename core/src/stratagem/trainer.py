@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 
-from stratagem import _callbacks, _rerun, launcher
+from stratagem import _callbacks, _fit_checks, launcher
 from stratagem._logging import MetricStore
 from stratagem._manager import TrainerEventHooks
 from stratagem._model_calls import loss_of, redirected_forward, to_device
@@ -23,19 +22,18 @@ from stratagem._optimizers import Scheduler, parse_optimizers
 from stratagem._options import TrainerOptions
 from stratagem._progress import ProgressBar, format_metrics
 from stratagem._recovery import Recovery
-from stratagem._resume import Position, continue_at_world_size, start_epoch
-from stratagem._run_dir import CHECKPOINT_DIR, checkpoint_name, find_last_checkpoint, prune, publish_last
+from stratagem._resume import Position, start_epoch
+from stratagem._trainer_checkpoints import CheckpointingMixin
 from stratagem._watchdog import collective_timeout
-from stratagem.checkpoint import PerRank, _atomic, _store
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
-from stratagem.errors import CheckpointError, ConfigurationError
+from stratagem.errors import ConfigurationError
 from stratagem.module import Module
 from stratagem.seed import capture_rng, restore_rng
 
 __all__ = ["Trainer", "TrainerOptions"]
 
 
-class Trainer:
+class Trainer(CheckpointingMixin):
     """Fit a :class:`~stratagem.Module` under a strategy chosen by name.
 
     :param strategy: a registered name, ``"auto"`` or a ``Strategy`` instance (see :class:`~stratagem.Engine`).
@@ -201,18 +199,10 @@ class Trainer:
         return self.options.default_root_dir
 
     @property
-    def checkpoint_dir(self) -> Path | str:
-        return _store.join(self.options.default_root_dir, CHECKPOINT_DIR)
-
-    @property
     def is_logging_step(self) -> bool:
         """In ``on_train_batch_end``: whether this batch completed an optimizer step whose metrics are reduced
         and written now (every ``log_every_n_steps``); values ``trainer.log`` records then are among them."""
         return self._stepped and self.position.step % self.options.log_every_n_steps == 0
-
-    @property
-    def checkpoint_format(self) -> str:
-        return self.options.checkpoint_format or getattr(self.engine.strategy, "checkpoint_format", "full")
 
     # public API ------------------------------------------------------------------------------------
     def init_module(self, empty_init: bool = False) -> contextlib.AbstractContextManager[None]:
@@ -235,13 +225,13 @@ class Trainer:
     ) -> None:
         """Train ``model``. ``ckpt_path``: ``None`` (start fresh), ``"last"`` (resume from the newest complete
         checkpoint under ``default_root_dir``, or start fresh if there is none), or a checkpoint's path."""
-        self._check_model(model, for_fit=True)
-        self._check_loader(train_dataloaders, "train_dataloaders")
+        _fit_checks.check_model(model, for_fit=True)
+        _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
         if val_dataloaders is not None:
-            self._check_loader(val_dataloaders, "val_dataloaders")
-        self._check_ckpt_path(ckpt_path)
+            _fit_checks.check_loader(val_dataloaders, "val_dataloaders")
+        _fit_checks.check_ckpt_path(ckpt_path)
         if self.engine.needs_launch:
-            self._check_optimizers_before_launch(model)
+            _fit_checks.check_optimizers_before_launch(model)
             self._launch()
         self._setup(model, with_optimizers=True)
         resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
@@ -260,50 +250,12 @@ class Trainer:
         model = model if model is not None else self.module
         if model is None or dataloaders is None:
             raise ConfigurationError("validate() needs a model and dataloaders (or a model fitted before).")
-        self._check_model(model, for_fit=False)
-        self._check_loader(dataloaders, "dataloaders")
+        _fit_checks.check_model(model, for_fit=False)
+        _fit_checks.check_loader(dataloaders, "dataloaders")
         if self.engine.needs_launch:
             self._launch()
         self._setup(model, with_optimizers=False)
         return self._run_validation(self._prepare_loader(dataloaders))
-
-    def save_checkpoint(
-        self,
-        path: str | os.PathLike[str],
-        format: str | None = None,
-        *,
-        blocking: bool = True,
-        _on_published: Any = None,
-    ) -> None:
-        """Save the model, optimizers, schedulers, position in the data and RNG states. Call it on every rank.
-        ``blocking=False``: see :meth:`Engine.save`."""
-        if self.model is None:
-            raise ConfigurationError("save_checkpoint() before fit(): there is no model set up to save yet.")
-        extras: dict[str, Any] = {}
-        assert self.module is not None
-        self.module.on_save_checkpoint(extras)
-        state = self._live_state()
-        state.update(
-            progress=self.position.to_dict(),
-            rng=PerRank(capture_rng()),
-            epoch_rng=PerRank(self._epoch_rng),
-            extras=extras,
-            topology={
-                "world_size": self.engine.world_size,
-                "accumulate_grad_batches": self.options.accumulate_grad_batches,
-            },
-        )
-        if "on_save_checkpoint" in self._events.implemented:
-            state["callbacks"] = PerRank(self._events.collect_states(self, str(path)))
-        self.engine.save(
-            path,
-            state,
-            format=format or self.checkpoint_format,
-            blocking=blocking,
-            _on_published=_on_published,
-        )
-        self._last_saved_step = self.position.step
-        self._recovery.saved()
 
     def log(self, name: str, value: Any, *, prog_bar: bool = False, reduce: str = "mean") -> None:
         """Record a metric from a callback, like ``Module.log``: reduced across ranks (log it on every rank)
@@ -320,69 +272,8 @@ class Trainer:
         else:
             print(message, flush=True)
 
-    # checks before anything launches ---------------------------------------------------------------
-    @staticmethod
-    def _check_model(model: Any, *, for_fit: bool) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigurationError(
-                f"The model is a {type(model).__name__}; give a stratagem.Module (a torch.nn.Module with "
-                "training_step and configure_optimizers)."
-            )
-        if not for_fit:
-            return
-        step = getattr(type(model), "training_step", None)
-        if step is None or step is Module.training_step:
-            raise ConfigurationError(
-                f"{type(model).__name__} has no training_step(batch, batch_idx). Define it to return the loss."
-            )
-        configure = getattr(type(model), "configure_optimizers", None)
-        if configure is None or configure is Module.configure_optimizers:
-            raise ConfigurationError(
-                f"{type(model).__name__} has no configure_optimizers(). Define it to return an optimizer, a "
-                "list of optimizers, or {'optimizer': opt, 'lr_scheduler': scheduler}."
-            )
-
-    @staticmethod
-    def _check_loader(loader: Any, name: str) -> None:
-        if loader is None or not hasattr(loader, "__iter__"):
-            raise ConfigurationError(f"fit({name}={loader!r}): give an iterable of batches (a DataLoader).")
-
-    @staticmethod
-    def _check_ckpt_path(ckpt_path: Any) -> None:
-        if ckpt_path is None or ckpt_path == "last":
-            return
-        target = _store.location(ckpt_path)
-        if isinstance(target, Path) and not target.exists() and not _atomic.old_sibling(target).exists():
-            raise CheckpointError(
-                target,
-                'does not exist. Pass an existing checkpoint, "last" (the newest under '
-                "default_root_dir, if any), or None to start fresh.",
-            )
-
-    def _check_optimizers_before_launch(self, model: Module) -> None:
-        """Catch a configure_optimizers that returns nothing before starting workers: build the model on the
-        meta device here (this process never trains) and look at what it returns."""
-        try:
-            with torch.device("meta"):
-                model.configure_model()
-            result = model.configure_optimizers()
-        except Exception:
-            return  # something only the workers can do; they check it for real
-        parse_optimizers(result, type(model).__name__)
-
     def _launch(self) -> None:
-        started = _rerun.how_started()
-        if started == "interactive":
-            raise ConfigurationError(
-                f"devices={self.engine.devices} from an interactive session: the workers re-run the script, "
-                "and there is none. Run it as `python script.py`, or start it with torchrun or "
-                "`stratagem run --devices N script.py`; for a function, use Engine.launch(fn)."
-            )
-        if started == "pytest":
-            raise ConfigurationError(
-                f"devices={self.engine.devices} inside pytest would re-run pytest in every worker. Run the "
-                "training in a script (python script.py) from the test, or use Engine.launch(fn)."
-            )
+        _fit_checks.check_relaunchable(self.engine.devices)
         self.engine.supervise()
 
     # set-up ----------------------------------------------------------------------------------------
@@ -425,80 +316,6 @@ class Trainer:
             use_distributed_sampler=self.options.use_distributed_sampler,
             seed=self.options.seed or 0,
         )
-
-    def _live_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": self.model}
-        for i, optimizer in enumerate(self.optimizers):
-            state["optimizer" if i == 0 else f"optimizer_{i}"] = optimizer
-        for i, scheduler in enumerate(self.lr_schedulers):
-            state[f"lr_scheduler_{i}"] = scheduler.scheduler
-        scaler = getattr(self.engine.strategy, "scaler", None)
-        if scaler is not None:
-            state["grad_scaler"] = scaler
-        return state
-
-    # checkpoints -----------------------------------------------------------------------------------
-    def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None:
-        if ckpt_path is None:
-            return None
-        if ckpt_path != "last":
-            return _store.location(ckpt_path)
-        found = find_last_checkpoint(self.checkpoint_dir) if self.engine.is_global_zero else None
-        found = self.engine.broadcast(None if found is None else str(found), 0)
-        if found is None:
-            self.print(f"No checkpoint under {self.checkpoint_dir}: training from the start.")
-            return None
-        return _store.location(found)
-
-    def _load_for_resume(self, path: Path | str) -> None:
-        rest = self.engine.load(path, self._live_state(), strict=True)
-        progress = rest.get("progress")
-        if not isinstance(progress, dict):
-            raise CheckpointError(
-                path,
-                "holds no training position (it was not written by Trainer.save_checkpoint); load it "
-                "with Engine.load, or start fit() without ckpt_path.",
-            )
-        self.position = Position(**{k: int(v) for k, v in progress.items()})
-        self._resume = {"rng": rest.get("rng"), "epoch_rng": rest.get("epoch_rng")}
-        topology = rest.get("topology")
-        if isinstance(topology, dict) and topology.get("world_size") != self.engine.world_size:
-            accumulate, message = continue_at_world_size(
-                self.position,
-                saved_world_size=int(topology["world_size"]),
-                saved_accumulate=int(topology.get("accumulate_grad_batches", 1)),
-                world_size=self.engine.world_size,
-            )
-            self.options = attrs.evolve(self.options, accumulate_grad_batches=accumulate)
-            self.print(message)
-        assert self.module is not None
-        self.module.on_load_checkpoint(dict(rest.get("extras") or {}))
-        if isinstance(rest.get("callbacks"), dict):
-            self._events.restore_states(self, str(path), rest["callbacks"])
-        self._last_saved_step = self.position.step
-        self.print(f"Resumed from {path} at step {self.position.step} (epoch {self.position.epoch}).")
-
-    def _save_periodic(self) -> None:
-        name = checkpoint_name(self.position.step, self.checkpoint_format)
-        if self.options.async_checkpoint:
-            directory, keep = self.checkpoint_dir, self.options.keep_last_k
-
-            def published() -> None:  # rank 0, in the background, once the checkpoint is published
-                publish_last(directory, name)
-                if keep is not None:
-                    prune(directory, keep=keep, protect=name)
-
-            self.save_checkpoint(
-                _store.join(directory, name),
-                blocking=False,
-                _on_published=published if self.engine.is_global_zero else None,
-            )
-            return
-        self.save_checkpoint(_store.join(self.checkpoint_dir, name))
-        if self.engine.is_global_zero:
-            publish_last(self.checkpoint_dir, name)
-            if self.options.keep_last_k is not None:
-                prune(self.checkpoint_dir, keep=self.options.keep_last_k, protect=name)
 
     # the loop --------------------------------------------------------------------------------------
     def _fit_loop(self, loader: Any, val_loader: Any) -> None:

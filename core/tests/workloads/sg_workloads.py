@@ -215,6 +215,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
     p.add_argument("--launcher", default="auto")
+    p.add_argument(
+        "--ray-max-failures", type=int, default=None, help="launcher=RayLauncher(max_failures=N) (stratagem-ray)"
+    )
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--ckpt-minutes", type=float, default=None)
     p.add_argument("--restart-from-scratch", action="store_true")
@@ -248,7 +251,7 @@ def main(argv: list[str]) -> None:
             checkpoint_every_n_minutes=args.ckpt_minutes,
             restart_from_scratch=args.restart_from_scratch,
             async_checkpoint=args.async_ckpt,
-            launcher=args.launcher,
+            launcher=_launcher(args),
         )
         module = Regression(dropout=args.dropout, optimizer=args.optimizer, scheduler=args.scheduler)
         if args.fail is not None:
@@ -267,11 +270,28 @@ def main(argv: list[str]) -> None:
         result["logged"] = dict(trainer.logged_metrics)
         result["rank"] = trainer.engine.rank
         result["strategy"] = trainer.strategy.name
-        result["node_id"] = os.environ.get("STRATAGEM_NODE_ID")
+        result["node_id"] = _ray_node_id()
         results.append(result)
     rank = int(os.environ.get("RANK", "0"))
     if args.out:
         torch.save(results, f"{args.out}.rank{rank}")
+
+
+def _launcher(args: argparse.Namespace) -> Any:
+    if args.ray_max_failures is None:
+        return args.launcher
+    from stratagem_ray import RayLauncher
+
+    return RayLauncher(max_failures=args.ray_max_failures)
+
+
+def _ray_node_id() -> str | None:
+    """The Ray node this worker runs on, asked of Ray from inside the worker (None outside Ray)."""
+    if "ray" not in sys.modules:
+        return None
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def _slowed(step: Any, seconds: float) -> Any:

@@ -125,7 +125,8 @@ def test_a_killed_worker_restarts_the_group_and_the_run_ends_as_if_uninterrupted
     assert plain.returncode == 0, plain.stderr[-3000:]
     killed = _run(
         tmp_path / "killed",
-        *("--launcher", "ray", "--ckpt-every", "2", "--max-restarts", "1", "--faults", "0:1:3:kill"),
+        # RayLauncher(max_failures=1): the restart is Ray's launcher's; the Trainer has max_restarts=0.
+        *("--ray-max-failures", "1", "--ckpt-every", "2", "--faults", "0:1:3:kill"),
         env=env,
     )
     assert killed.returncode == 0, killed.stderr[-3000:]

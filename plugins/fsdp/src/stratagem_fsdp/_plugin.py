@@ -10,8 +10,6 @@ from stratagem.capabilities import Capabilities
 _FACTORY = "stratagem_fsdp.strategy:FSDPStrategy"
 
 
-#: HYBRID_SHARD is a 2D mesh (replicate x shard); with fewer than 2 x 2 processes one of its dimensions is 1
-#: and it degenerates into FULL_SHARD or NO_SHARD, which have names of their own.
 def _capabilities(min_world_size: int = 1) -> Capabilities:
     return Capabilities(
         accelerators={"cpu", "cuda"},

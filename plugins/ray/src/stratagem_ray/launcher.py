@@ -3,8 +3,8 @@
 Why actors and not Ray Train's ``TorchTrainer``: stratagem's strategies set up ``torch.distributed`` themselves
 from the rank environment (and own checkpointing and resuming through the Trainer), while ``TorchTrainer``
 initialises the process group in its own backend and hands results back through ``ray.train.report``. With
-plain actors in a placement group (Ray's own scheduling: one bundle per worker, spread over nodes for a
-multi-node run), the worker sees exactly what torchrun would give it, rank 0's return value comes back as it
+plain actors in a placement group (Ray's own scheduling: one bundle per node holding its workers, the
+bundles on different nodes for a multi-node run), the worker sees exactly what torchrun would give it, rank 0's return value comes back as it
 is, and a failure is a Ray error of one actor that names its rank.
 
 A run: connect to the cluster (``address``, else ``RAY_ADDRESS``, else a local cluster started here and shut
@@ -114,19 +114,23 @@ class RayLauncher(Launcher):
     def _run(self, job: LaunchJob, world: int, per_worker: dict[str, float]) -> dict[int, Any]:
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        spread = job.max_nodes > 1 and job.nproc_per_node == 1
-        group = placement_group([dict(per_worker)] * world, strategy="STRICT_SPREAD" if spread else "PACK")
+        per_node = _workers_per_node(job, world)
+        spread = per_node < world
+        # One bundle per node, holding that node's workers; STRICT_SPREAD puts each bundle on its own Ray node.
+        bundle = {key: value * per_node for key, value in per_worker.items()}
+        group = placement_group([bundle] * (world // per_node), strategy="STRICT_SPREAD" if spread else "PACK")
         try:
             ready = _wait(group.ready(), PLACEMENT_TIMEOUT_S)
             if not ready:
                 raise ConfigurationError(
                     f"Ray could not place {world} workers with {per_worker} each within {PLACEMENT_TIMEOUT_S:.0f} s"
-                    f"{' on different nodes' if spread else ''}: the cluster has {_resources_text()}."
+                    f"{f' as {world // per_node} nodes of {per_node}' if spread else ''}: the cluster has "
+                    f"{_resources_text()}."
                 )
             max_failures = job.max_restarts if self.max_failures is None else self.max_failures
             last: WorkerFailedError | None = None
             for attempt in range(max_failures + 1):
-                failure = self._attempt(job, world, per_worker, group, attempt, max_failures, last)
+                failure = self._attempt(job, world, per_node, per_worker, group, attempt, max_failures, last)
                 if isinstance(failure, dict):
                     return failure
                 last = failure
@@ -153,6 +157,7 @@ class RayLauncher(Launcher):
         self,
         job: LaunchJob,
         world: int,
+        per_node: int,
         per_worker: dict[str, float],
         group: Any,
         attempt: int,
@@ -170,7 +175,7 @@ class RayLauncher(Launcher):
                 num_gpus=per_worker.get("GPU", 0),
                 resources={k: v for k, v in per_worker.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=rank
+                    group, placement_group_bundle_index=rank // per_node
                 ),
                 # The job's environment from the start of the worker process: some of it is read only then
                 # (glibc's malloc settings, OMP_NUM_THREADS), so the workers run as the elastic launcher's do.
@@ -339,6 +344,15 @@ def _describe(rank: int, error: BaseException) -> WorkerFailedError:
             "its process died (killed by a signal, or out of memory): " + str(error).splitlines()[0],
         )
     return WorkerFailedError(rank, None, f"{type(error).__name__}: {error}")
+
+
+def _workers_per_node(job: LaunchJob, world: int) -> int:
+    """How many workers share a node: ``devices`` on a multi-node run (ranks ``n * devices ...`` on node n, as
+    under torchrun), all of them otherwise (or when ``num_workers`` does not split into the nodes)."""
+    nodes = job.max_nodes
+    if nodes > 1 and world == nodes * job.nproc_per_node:
+        return job.nproc_per_node
+    return world
 
 
 def _wait(ref: Any, timeout: float) -> bool:
