@@ -201,6 +201,16 @@ def test_model_checkpoint_keeps_the_two_best_and_last_across_a_resume(two_ranks:
     )
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_model_checkpoint_on_a_step_cadence_keeps_the_newest(two_ranks: dict[str, Any]) -> None:
+    directory = two_ranks["root"] / "loggers" / "every"
+    kept = sorted(p.name for p in directory.iterdir())
+    assert kept == ["last", "step-000006-kept.ckpt", "step-000008-kept.ckpt"], kept
+    assert (directory / "last").read_text().strip() == "step-000008-kept.ckpt"
+    assert torch.load(directory / "step-000006-kept.ckpt", weights_only=True)["state"]["progress"]["step"] == 6
+
+
 def _csv_rows(path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(path.open()))
 

@@ -5,6 +5,7 @@ elastic agent (the in-test gradient-averaging strategy; ddp and fsdp are in test
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 import time
@@ -63,7 +64,10 @@ def test_restarts_resume_as_if_nothing_had_failed(tmp_path: Path) -> None:
         in (once.stdout)
     ), once.stdout
     assert "this run was restarted 1 time(s)" in once.stdout
-    assert "restarts" in (tmp_path / "once" / "run0" / "metrics.csv").read_text().splitlines()[0]
+    # The metrics count the restart from the first row written after it (step 4 is logged after the resume).
+    with open(tmp_path / "once" / "run0" / "metrics.csv") as rows:
+        restarts = {int(row["step"]): float(row["restarts"]) for row in csv.DictReader(rows) if row["restarts"]}
+    assert restarts == {2: 0.0, 4: 1.0, 6: 1.0, 8: 1.0}, restarts
 
     # Killed just before the step-4 checkpoint is published: the restart takes step 2's, never the torn one.
     torn, _ = _run(
@@ -92,6 +96,8 @@ def test_failures_that_restarts_cannot_fix_end_the_run_naming_the_rank(tmp_path:
     )
     assert always.returncode != 0
     assert "rank 1" in always.stderr and "gave up after 2 restart(s)" in always.stderr, always.stderr[-3000:]
+    for attempt in (1, 2):  # the restarts really happened before it gave up
+        assert f"restarting the workers ({attempt} of 2 restarts)" in always.stderr, always.stderr[-3000:]
     assert always.stderr.count("Traceback (most recent call last)") == 1, always.stderr[-5000:]
 
     hung, elapsed = _run(tmp_path / "hang", "--faults", "*:1:3:hang", "--timeout", "6")
@@ -101,6 +107,23 @@ def test_failures_that_restarts_cannot_fix_end_the_run_naming_the_rank(tmp_path:
     )
     assert "time.sleep" in hung.stderr or "hang" in hung.stderr  # the hung thread's stack is shown
     assert elapsed < 60
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_checkpoints_on_the_clock_are_written_by_every_rank_at_one_step(tmp_path: Path) -> None:
+    """checkpoint_every_n_minutes: rank 0's clock decides, every rank saves at that step (a full save gathers
+    each rank's RNG state, so a rank that did not join would show as a missing entry or a hang)."""
+    done, _ = _run(tmp_path / "clock", "--ckpt-minutes", "0.01", "--step-sleep", "0.25")
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = sorted((tmp_path / "clock" / "run0" / "checkpoints").glob("step-*.ckpt"))
+    steps = [int(path.name[len("step-") : -len(".ckpt")]) for path in saved]
+    # At least 0.25 s a step: 0.6 s of training passes by step 3 and again by step 6; the last is fit's own.
+    assert len(steps) >= 3 and steps[-1] == STEPS and steps[0] <= 3, steps
+    for path, step in zip(saved, steps):
+        checkpoint = torch.load(path, weights_only=True)
+        assert checkpoint["state"]["progress"]["step"] == step
+        assert len(checkpoint["state"]["rng"]["__stratagem_per_rank__"]) == 2, path
 
 
 def test_bad_restart_options_are_refused_before_anything_runs(tmp_path: Path) -> None:
@@ -115,6 +138,15 @@ def test_bad_restart_options_are_refused_before_anything_runs(tmp_path: Path) ->
         sg.Trainer(checkpoint_every_n_minutes=0)
     with pytest.raises(ConfigurationError, match="max_restarts"):
         sg.Engine(max_restarts=-1)
+    # Restarts asked of the launcher (torch's agent tells its workers; stratagem's says the same): the script's
+    # Trainer checks them as its own.
+    for variable in ("TORCHELASTIC_MAX_RESTARTS", "STRATAGEM_MAX_RESTARTS"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(variable, "3")
+            with pytest.raises(ConfigurationError, match=r"--max-restarts 3 of the launcher.*step 0"):
+                sg.Trainer()
+            sg.Trainer(checkpoint_every_n_steps=5)
+            sg.Trainer(restart_from_scratch=True)
     for args, message in (
         (["--nnodes", "3:2"], "--nnodes '3:2'"),
         (["--nnodes", "a"], "--nnodes 'a'"),

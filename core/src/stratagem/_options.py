@@ -75,13 +75,18 @@ class TrainerOptions:
     async_checkpoint: bool = False
 
     def __attrs_post_init__(self) -> None:
+        if self.max_restarts:
+            self.check_restarts_can_resume(f"Trainer(max_restarts={self.max_restarts})")
+
+    def check_restarts_can_resume(self, allowed_by: str) -> None:
+        """Refuse restarts that could only start over: a restart resumes from the newest checkpoint of the
+        run, and with no cadence none is written. ``allowed_by`` says who allows the restarts."""
         periodic = self.checkpoint_every_n_steps is not None or self.checkpoint_every_n_minutes is not None
-        if self.max_restarts and not periodic and not self.restart_from_scratch:
-            # A restart resumes from the newest checkpoint of the run; with none written, it starts over.
+        if not periodic and not self.restart_from_scratch:
             raise ConfigurationError(
-                f"Trainer(max_restarts={self.max_restarts}) without checkpoint_every_n_steps or "
-                "checkpoint_every_n_minutes: a restarted run would find no checkpoint and start again from step "
-                "0. Set a checkpoint cadence, or pass restart_from_scratch=True if that is what you want."
+                f"{allowed_by} without checkpoint_every_n_steps or checkpoint_every_n_minutes: a restarted run "
+                "would find no checkpoint and start again from step 0. Set a checkpoint cadence, or pass "
+                "restart_from_scratch=True if that is what you want."
             )
 
     @checkpoint_format.validator

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from stratagem import _callbacks, _fit_checks, launcher
+from stratagem import _callbacks, _fit_checks, _restarts, launcher
 from stratagem._logging import MetricStore
 from stratagem._manager import TrainerEventHooks
 from stratagem._model_calls import loss_of, redirected_forward, to_device
@@ -138,6 +138,10 @@ class Trainer(CheckpointingMixin):
             max_restarts=max_restarts,
             launcher=launcher,
         )
+        launcher_restarts = _restarts.max_restarts()
+        if launcher_restarts and not max_restarts:
+            # Restarts asked of the launcher (`stratagem run --max-restarts`, `torchrun --max-restarts`).
+            self.options.check_restarts_can_resume(f"--max-restarts {launcher_restarts} of the launcher")
         self._recovery = Recovery(
             self.engine,
             timeout=timeout,

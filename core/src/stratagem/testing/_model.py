@@ -45,6 +45,11 @@ class Block(nn.Module):
 class ContractModel(nn.Module):
     """Token embedding, residual blocks, a final norm and a linear head: next-token logits."""
 
+    #: A tensor-parallel plan, in the form strategies that split layers read from a model's ``tp_plan``: each
+    #: block's MLP split by columns then by rows (the Megatron pair: one all-reduce per block). Strategies that
+    #: do not split layers never look at it.
+    tp_plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
     def __init__(self) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, WIDTH)
