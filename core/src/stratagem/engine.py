@@ -628,6 +628,9 @@ class Engine:
         """Leave the process group. Call once at the end; the engine cannot be used after."""
         if self._environment_ready:
             self.wait_for_checkpoint()
+            from stratagem.checkpoint import _io
+
+            _io.release_async_resources(self.strategy)
             self._hooks.teardown()
             self._environment_ready = False
 
