@@ -68,7 +68,13 @@ STRATEGIES = [
             name,
             marks=[pytest.mark.deepspeed, pytest.mark.skipif(not HAVE_DEEPSPEED, reason="needs deepspeed")],
         )
-        for name in ("deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
+        for name in (
+            "deepspeed_stage_1",
+            "deepspeed_stage_2",
+            "deepspeed_stage_2_offload",
+            "deepspeed_stage_3",
+            "deepspeed_stage_3_offload",
+        )
     ),
 ]
 
