@@ -265,8 +265,9 @@ def _check_reshard_inspect_consolidate(root: str, checkpoint: str, at_six: dict[
     # Written by 2 ranks, the sharded checkpoint at step 6 loads in one process and equals the state at step 6
     # (the first run's snapshot at its end); inspect and consolidate read it from S3.
     module = _regression()
+    optimizer = torch.optim.AdamW(module.parameters())
     single = sg.Engine(strategy="single_device", accelerator="cpu")
-    single.load(f"{checkpoint}", {"model": module}, strict=False)
+    single.load(f"{checkpoint}", {"model": module, "optimizer": optimizer}, strict=False)
     assert module.state_dict().keys() == at_six.keys()
     for name, value in module.state_dict().items():
         assert torch.equal(value, at_six[name]), name
@@ -282,6 +283,15 @@ def _check_reshard_inspect_consolidate(root: str, checkpoint: str, at_six: dict[
     payload = torch.load(io.BytesIO(_store.read_bytes(f"{root}/consolidated.pt")), weights_only=True)
     for name, value in at_six.items():
         assert torch.equal(payload["model"]["model"][name], value), name
+    # The optimizer state, resharded from 2 ranks into this one, is what offline consolidation reads too.
+    single.save(f"{root}/one-process.pt", {"model": module, "optimizer": optimizer}, format="full")
+    again = torch.load(io.BytesIO(_store.read_bytes(f"{root}/one-process.pt")), weights_only=True)
+    want = payload["optimizers"]["optimizer"]["state"]
+    got = again["optimizers"]["optimizer"]["state"]
+    assert want and got.keys() == want.keys()
+    for key, values in want.items():
+        for name, value in values.items():
+            assert torch.equal(got[key][name], value), (key, name)
 
 
 # -------------------------------------------------------------------------------------------------
