@@ -43,9 +43,14 @@ def _ray_processes() -> set[int]:
     return found
 
 
-def _run(root: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _run(
+    root: Path, *extra: str, env: dict[str, str] | None = None, under_run: bool = False
+) -> subprocess.CompletedProcess:
+    """The workload script with devices=2: as `python script.py`, or under `stratagem run --launcher ray`."""
     command = [sys.executable, str(SCRIPT), "--devices", "2", "--steps", "6", "--optimizer", "adamw"]
     command += ["--shuffle", "--root", str(root), "--out", str(root / "out"), *extra]
+    if under_run:
+        command[1:1] = ["-m", "stratagem", "run", "--launcher", "ray", "--devices", "2"]
     full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.run(
         command, capture_output=True, text=True, timeout=240, env={**full_env, **(env or {})}
@@ -96,9 +101,14 @@ def test_the_same_script_gives_the_same_parameters_on_ray(
 ) -> None:
     elastic = _run(tmp_path / "elastic", "--strategy", strategy)
     assert elastic.returncode == 0, elastic.stderr[-3000:]
-    on_ray = _run(
-        tmp_path / "ray", "--strategy", strategy, "--launcher", "ray", env={"RAY_ADDRESS": existing_cluster}
-    )
+    if strategy == "ddp":  # the script under `stratagem run --launcher ray`
+        on_ray = _run(
+            tmp_path / "ray", "--strategy", strategy, env={"RAY_ADDRESS": existing_cluster}, under_run=True
+        )
+    else:  # Trainer(launcher="ray") in the script
+        on_ray = _run(
+            tmp_path / "ray", "--strategy", strategy, "--launcher", "ray", env={"RAY_ADDRESS": existing_cluster}
+        )
     assert on_ray.returncode == 0, on_ray.stderr[-3000:]
     assert _relative(_result(tmp_path / "ray")["params"], _result(tmp_path / "elastic")["params"]) < 1e-6
     # The workers' output reached the driver, each line led by its rank.
@@ -151,27 +161,37 @@ def test_bad_input_fails_before_any_worker_starts(existing_cluster: str, tmp_pat
 
 def test_a_local_cluster_is_started_and_stopped(tmp_path: Path) -> None:
     before = _ray_processes()
-    done = _run(tmp_path / "local", "--launcher", "ray")
+    # Chosen by the environment, as STRATAGEM_STRATEGY chooses a strategy (the script says launcher="auto").
+    done = _run(tmp_path / "local", env={"STRATAGEM_LAUNCHER": "ray"})
     assert done.returncode == 0, done.stderr[-3000:]
     time.sleep(1.0)
     assert _ray_processes() - before == set(), "the local Ray cluster was left running"
+    assert "(rank 0 pid=" in done.stdout + done.stderr, "not run on Ray"
 
 
 def test_two_ray_nodes_get_one_worker_each(tmp_path: Path) -> None:
-    """A real two-node cluster on this machine (ray.cluster_utils.Cluster: a head and a second raylet)."""
+    """A real two-node cluster on this machine (ray.cluster_utils.Cluster: a head and a second raylet), three
+    CPUs each: one worker per node, then two per node (a node's ranks together, as under torchrun; packing the
+    four workers would put three on one node)."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
+    cluster.add_node(num_cpus=3)
     try:
         cluster.wait_for_nodes()
         env = {"RAY_ADDRESS": cluster.address}
         two = _run(tmp_path / "two", "--launcher", "ray", "--devices", "1", "--num-nodes", "2", env=env)
         assert two.returncode == 0, two.stderr[-3000:]
+        four = _run(
+            tmp_path / "four", "--launcher", "ray", "--devices", "2", "--num-nodes", "2", "--steps", "1", env=env
+        )
+        assert four.returncode == 0, four.stderr[-3000:]
     finally:
         cluster.shutdown()
     nodes = {_result(tmp_path / "two", rank)["node_id"] for rank in (0, 1)}
     assert len(nodes) == 2 and None not in nodes, nodes
+    by_rank = [_result(tmp_path / "four", rank)["node_id"] for rank in range(4)]
+    assert by_rank[0] == by_rank[1] != by_rank[2] == by_rank[3] and None not in by_rank, by_rank
     one = _run(tmp_path / "one")
     assert one.returncode == 0, one.stderr[-3000:]
     assert _relative(_result(tmp_path / "two")["params"], _result(tmp_path / "one")["params"]) < 1e-6
