@@ -20,6 +20,8 @@ FIXTURES = Path(__file__).parent / "contract_fixtures"
 BROKEN = ["contract_broken_all_reduce", "contract_broken_optimizer_checkpoint", "contract_broken_resume"]
 #: A third party's strategy, built from the hook specs and the plugin-authors guide alone.
 ZERO = "contract_zero_ddp"
+#: A configuration the class refuses: nothing launches, and the registration check says why.
+BAD_OPTION = "contract_gradient_averaging[no_such_option=1]"
 
 
 def _install_fixtures(site: Path) -> dict[str, str]:
@@ -57,7 +59,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str
     junit = work / "report.xml"
     # The `stratagem` console script, run by this interpreter.
     cli = "import sys; from stratagem.cli import main; sys.exit(main())"
-    command = [sys.executable, "-c", cli, "contract", "single_device", ZERO, *BROKEN]
+    command = [sys.executable, "-c", cli, "contract", "single_device", ZERO, *BROKEN, BAD_OPTION]
     completed = subprocess.run(
         [*command, f"--pytest-args=--junitxml={junit} -q"],
         cwd=work,
@@ -215,6 +217,27 @@ def test_suite_without_a_strategy_is_a_usage_error(tmp_path: Path) -> None:
     completed = _pytest(["--pyargs", "stratagem.contract"], tmp_path)
     assert completed.returncode == 4, completed.stdout + completed.stderr
     assert "pass --stratagem-strategy NAME" in completed.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_a_configuration_the_class_refuses_fails_registration_only(report: dict[str, tuple[str, str]]) -> None:
+    results = _results(report, BAD_OPTION)
+    assert _failed(report, BAD_OPTION) == {"test_registration::test_registration_metadata_is_complete"}
+    failure = next(message for outcome, message in results.values() if outcome == "failed")
+    assert "could not be created" in failure and "no_such_option" in failure, failure
+    assert all(outcome in ("failed", "skipped") for outcome, _ in results.values()), results
+
+
+def test_names_with_options_are_read_and_checked_before_anything_runs(tmp_path: Path) -> None:
+    for name, message in (
+        ("single_devise[x=1]", "Unknown strategy 'single_devise'. Did you mean 'single_device'?"),
+        ("single_device[x=1", "cannot read 'single_device[x=1'"),
+        ("single_device[a=1,b]", "option 'b' of 'single_device[a=1,b]' needs a value"),
+    ):
+        completed = _pytest(["--pyargs", "stratagem.contract", "--stratagem-strategy", name], tmp_path)
+        assert completed.returncode == 4, completed.stdout + completed.stderr
+        assert message in completed.stderr, completed.stderr
 
 
 def test_unknown_strategy_is_a_usage_error(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ Each column is a real multi-process run started by stratagem's launcher; every w
 
 from __future__ import annotations
 
-from stratagem.compare._columns import SHORTHAND_OPTION, Column, Job, default_warmup, parse_columns
+from stratagem._labels import SHORTHAND_OPTION
+from stratagem.compare._columns import Column, Job, default_warmup, parse_columns
 from stratagem.compare._measuring import (
     MB,
     current_rss_bytes,

@@ -35,6 +35,6 @@ def test_every_hook_is_exercised(contract_run: Any) -> None:
         for hook in sorted(STRATEGY_HOOKS)
         if not calls[hook]
     ]
-    if contract_run.subject.name not in get_registry():
+    if contract_run.subject.registered not in get_registry():
         problems.append("register_strategies: expected it to have registered the strategy, got no entry")
     fail_on(problems, f"hooks exercised (calls: {dict(sorted(calls.items()))})")

@@ -65,7 +65,7 @@ def test_hook_implementations_match_the_specs(contract_subject: Any) -> None:
             )
     try:
         # pluggy checks every implementation's arguments against the spec when it registers a plugin.
-        StrategyHooks(contract_subject.info.create(), addons=[])
+        StrategyHooks(contract_subject.info.create(**contract_subject.options), addons=[])
     except Exception as error:
         problems.append(f"registering an instance with the plugin manager: {type(error).__name__}: {error}")
     fail_on(problems, f"hook implementations of {cls.__module__}.{cls.__qualname__}")

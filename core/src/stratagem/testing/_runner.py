@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 
+from stratagem._labels import parse_label
+
 #: Training equivalence in float32 holds to this unless the strategy declares otherwise.
 DEFAULT_TOLERANCE = 1e-5
 #: A declared tolerance above this certifies nothing useful about equivalence and is refused.
@@ -24,10 +26,16 @@ WORLD_SIZE_PREFERENCE = (2, 4)
 
 @attrs.define
 class Subject:
-    """One strategy name and what the suite will check for it."""
+    """One strategy and what the suite will check for it.
+
+    ``name`` is as the user wrote it: a registered name, or one with options (``fsdp_tp[tensor_parallel_size=2]``,
+    the syntax of ``stratagem compare``), which certifies the strategy created with them.
+    """
 
     name: str
     info: Any
+    registered: str = ""
+    options: dict[str, Any] = attrs.field(factory=dict)
     strategy_class: type | None = None
     world_size: int = 0
     tolerance: float | None = DEFAULT_TOLERANCE
@@ -62,8 +70,9 @@ def subject_for(name: str) -> Subject:
     """Look ``name`` up in the registry and read what it declares (importing its class)."""
     from stratagem._manager import get_registry
 
-    info = get_registry().get(name)
-    subject = Subject(name=name, info=info)
+    registered, options = parse_label(name, "--stratagem-strategy")
+    info = get_registry().get(registered)
+    subject = Subject(name=name, info=info, registered=registered, options=options)
     caps = info.capabilities
     missing = caps.missing_requirements()
     if missing:
@@ -76,7 +85,7 @@ def subject_for(name: str) -> Subject:
         )
         return subject
     try:
-        strategy = info.create()
+        strategy = info.create(**options)
     except Exception as error:
         subject.unavailable = f"{name} could not be created: {type(error).__name__}: {error}"
         subject.declaration_problems.append(subject.unavailable)
@@ -124,7 +133,8 @@ class ContractRun:
 
 def _spec(subject: Subject, workdir: Path, phase: int, single_device: str) -> dict[str, Any]:
     return {
-        "strategy": subject.name,
+        "strategy": subject.registered,
+        "options": subject.options,
         "world_size": subject.world_size,
         "precision": subject.precision,
         "timeout": WORKER_TIMEOUT_S,

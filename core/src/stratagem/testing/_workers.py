@@ -253,7 +253,7 @@ def trainer_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
     from stratagem.trainer import Trainer
 
     trainer = Trainer(
-        strategy=spec["strategy"],
+        strategy=_strategy(spec),
         accelerator="cpu",
         devices=spec["world_size"],
         precision=spec["precision"],
@@ -302,6 +302,15 @@ def teardown(engine: Any) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------------
 
 
+def _strategy(spec: dict[str, Any]) -> Any:
+    """The registered name, or a fresh instance created with the options the suite was given."""
+    if not spec.get("options"):
+        return spec["strategy"]
+    from stratagem._manager import get_registry
+
+    return get_registry().get(spec["strategy"]).create(**spec["options"])
+
+
 def _section(result: dict[str, Any], name: str, function: Callable[[], Any]) -> None:
     try:
         result[name] = function()
@@ -318,7 +327,7 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     torch.use_deterministic_algorithms(True)
     recorder = HookRecorder()
     engine = Engine(
-        strategy=spec["strategy"],
+        strategy=_strategy(spec),
         accelerator="cpu",
         devices=spec["world_size"],
         precision=spec["precision"],

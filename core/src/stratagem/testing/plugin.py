@@ -25,7 +25,8 @@ def pytest_addoption(parser: Any) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="certify this strategy with `pytest --pyargs stratagem.contract` (repeatable; 'all' for every one)",
+        help="certify this strategy with `pytest --pyargs stratagem.contract` (repeatable; 'all' for every one; "
+        "NAME[key=value,...] certifies it created with those options)",
     )
     group.addoption(
         LAUNCHER_OPTION,
@@ -56,7 +57,10 @@ def selected_launchers(config: Any) -> list[str]:
 
 
 def _selected(config: Any, option: str, kind: str) -> list[str]:
-    requested = [n.strip() for value in config.getoption(option) or [] for n in value.split(",") if n.strip()]
+    from stratagem._labels import parse_label, split_top_level
+
+    # Commas separate names, except inside a strategy's options: fsdp_tp[tensor_parallel_size=2,plan=...].
+    requested = [n for value in config.getoption(option) or [] for n in split_top_level(value)]
     if not requested:
         return []
     from stratagem._manager import get_registry
@@ -72,7 +76,10 @@ def _selected(config: Any, option: str, kind: str) -> list[str]:
     for name in requested:
         for resolved in every if name == "all" else [name]:
             try:
-                look_up(resolved)
+                if kind == "strategy":
+                    look_up(parse_label(resolved, option)[0])
+                else:
+                    look_up(resolved)
             except StratagemError as error:
                 raise pytest.UsageError(f"{option} {resolved}: {error}") from None
             if resolved not in names:
@@ -129,9 +136,12 @@ def contract_run(contract_subject: Any, tmp_path_factory: Any) -> Any:
     """Both worker launches for the strategy under test, run once and shared by every check."""
     if contract_subject.unavailable:
         pytest.skip(contract_subject.unavailable)
+    import re
+
     from stratagem.testing._runner import run
 
-    return run(contract_subject, tmp_path_factory.mktemp(f"contract-{contract_subject.name}"))
+    label = re.sub(r"[^\w.-]+", "_", contract_subject.name)
+    return run(contract_subject, tmp_path_factory.mktemp(f"contract-{label}"))
 
 
 @pytest.fixture(scope="session")
