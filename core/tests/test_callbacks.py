@@ -208,7 +208,9 @@ def test_model_checkpoint_on_a_step_cadence_keeps_the_newest(two_ranks: dict[str
     kept = sorted(p.name for p in directory.iterdir())
     assert kept == ["last", "step-000006-kept.ckpt", "step-000008-kept.ckpt"], kept
     assert (directory / "last").read_text().strip() == "step-000008-kept.ckpt"
-    assert torch.load(directory / "step-000006-kept.ckpt", weights_only=True)["state"]["progress"]["step"] == 6
+    assert (
+        torch.load(directory / "step-000006-kept.ckpt", weights_only=True)["state"]["progress"]["step"] == 6
+    )
 
 
 def _csv_rows(path: Path) -> list[dict[str, str]]:

@@ -221,7 +221,9 @@ def test_suite_without_a_strategy_is_a_usage_error(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_a_configuration_the_class_refuses_fails_registration_only(report: dict[str, tuple[str, str]]) -> None:
+def test_a_configuration_the_class_refuses_fails_registration_only(
+    report: dict[str, tuple[str, str]],
+) -> None:
     results = _results(report, BAD_OPTION)
     assert _failed(report, BAD_OPTION) == {"test_registration::test_registration_metadata_is_complete"}
     failure = next(message for outcome, message in results.values() if outcome == "failed")

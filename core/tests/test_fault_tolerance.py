@@ -66,7 +66,9 @@ def test_restarts_resume_as_if_nothing_had_failed(tmp_path: Path) -> None:
     assert "this run was restarted 1 time(s)" in once.stdout
     # The metrics count the restart from the first row written after it (step 4 is logged after the resume).
     with open(tmp_path / "once" / "run0" / "metrics.csv") as rows:
-        restarts = {int(row["step"]): float(row["restarts"]) for row in csv.DictReader(rows) if row["restarts"]}
+        restarts = {
+            int(row["step"]): float(row["restarts"]) for row in csv.DictReader(rows) if row["restarts"]
+        }
     assert restarts == {2: 0.0, 4: 1.0, 6: 1.0, 8: 1.0}, restarts
 
     # Killed just before the step-4 checkpoint is published: the restart takes step 2's, never the torn one.

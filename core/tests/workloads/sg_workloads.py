@@ -216,7 +216,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
     p.add_argument("--launcher", default="auto")
     p.add_argument(
-        "--ray-max-failures", type=int, default=None, help="launcher=RayLauncher(max_failures=N) (stratagem-ray)"
+        "--ray-max-failures",
+        type=int,
+        default=None,
+        help="launcher=RayLauncher(max_failures=N) (stratagem-ray)",
     )
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--ckpt-minutes", type=float, default=None)

@@ -107,7 +107,12 @@ def test_the_same_script_gives_the_same_parameters_on_ray(
         )
     else:  # Trainer(launcher="ray") in the script
         on_ray = _run(
-            tmp_path / "ray", "--strategy", strategy, "--launcher", "ray", env={"RAY_ADDRESS": existing_cluster}
+            tmp_path / "ray",
+            "--strategy",
+            strategy,
+            "--launcher",
+            "ray",
+            env={"RAY_ADDRESS": existing_cluster},
         )
     assert on_ray.returncode == 0, on_ray.stderr[-3000:]
     assert _relative(_result(tmp_path / "ray")["params"], _result(tmp_path / "elastic")["params"]) < 1e-6
@@ -183,7 +188,16 @@ def test_two_ray_nodes_get_one_worker_each(tmp_path: Path) -> None:
         two = _run(tmp_path / "two", "--launcher", "ray", "--devices", "1", "--num-nodes", "2", env=env)
         assert two.returncode == 0, two.stderr[-3000:]
         four = _run(
-            tmp_path / "four", "--launcher", "ray", "--devices", "2", "--num-nodes", "2", "--steps", "1", env=env
+            tmp_path / "four",
+            "--launcher",
+            "ray",
+            "--devices",
+            "2",
+            "--num-nodes",
+            "2",
+            "--steps",
+            "1",
+            env=env,
         )
         assert four.returncode == 0, four.stderr[-3000:]
     finally:

@@ -118,7 +118,9 @@ class RayLauncher(Launcher):
         spread = per_node < world
         # One bundle per node, holding that node's workers; STRICT_SPREAD puts each bundle on its own Ray node.
         bundle = {key: value * per_node for key, value in per_worker.items()}
-        group = placement_group([bundle] * (world // per_node), strategy="STRICT_SPREAD" if spread else "PACK")
+        group = placement_group(
+            [bundle] * (world // per_node), strategy="STRICT_SPREAD" if spread else "PACK"
+        )
         try:
             ready = _wait(group.ready(), PLACEMENT_TIMEOUT_S)
             if not ready:
