@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem import _bench_models
-from stratagem.compare import (
+from stratagem.cli.compare import (
+    _bench_models,
     current_rss_bytes,
     gradient_bytes,
     optimizer_bytes,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from stratagem import get_registry
-from stratagem.testing._checks import skipped_declaration
+from stratagem.contract._checks import skipped_declaration
 
 PACKAGES = ("stratagem-ddp", "stratagem-fsdp", "stratagem-deepspeed", "stratagem-tp")
 NAMES = sorted(info.name for info in get_registry() if info.plugin.distribution in PACKAGES)

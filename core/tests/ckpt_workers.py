@@ -393,8 +393,14 @@ def store_crash_trials(
     ``asynchronous``: the saves are ``blocking=False`` (``last`` and pruning run once the background write
     has published), as with ``Trainer(async_checkpoint=True)``.
     """
-    from stratagem._run_dir import checkpoint_name, find_last_checkpoint, is_complete, prune, publish_last
     from stratagem.checkpoint import _store
+    from stratagem.trainer._run_dir import (
+        checkpoint_name,
+        find_last_checkpoint,
+        is_complete,
+        prune,
+        publish_last,
+    )
 
     torch.set_num_threads(1)
     rng = random.Random(seed)

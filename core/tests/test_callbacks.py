@@ -476,7 +476,7 @@ def register_loggers(register):
 def test_entry_point_callbacks_are_opt_in_and_a_missing_extra_names_the_pip_command(
     tmp_path: Path, make_distribution: Any
 ) -> None:
-    from stratagem._manager import get_registry
+    from stratagem.registry._manager import get_registry
 
     make_distribution("fancy-plugin", "1.0", {"fancy": "fancy_plugin"}, {"fancy_plugin": PLUGIN})
     get_registry(refresh=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.compare import Column, ColumnResult, format_table, load_model_factory, parse_columns
+from stratagem.cli.compare import Column, ColumnResult, format_table, load_model_factory, parse_columns
 from stratagem.errors import ConfigurationError
 
 
@@ -93,7 +93,7 @@ def test_model_from_a_file(tmp_path: Path) -> None:
 
 
 def _expected_small_model_bytes() -> tuple[int, int]:
-    from stratagem import _bench_models
+    from stratagem.cli.compare import _bench_models
 
     model = _bench_models.small()
     model.configure_model()
@@ -125,7 +125,7 @@ def test_single_device_json_and_plot(tmp_path: Path) -> None:
     assert rank["peak_rss_above_baseline_bytes"] == rank["peak_rss_bytes"] - rank["baseline_rss_bytes"]
     assert len(rank["step_times_s"]) == 3 and rank["cuda_max_allocated_bytes"] is None
     # The launcher's allocator setting reached the worker.
-    from stratagem.launcher import CPU_ALLOCATOR_ENV
+    from stratagem.launchers._spawn import CPU_ALLOCATOR_ENV
 
     assert all(rank["allocator_env"].get(k) == v for k, v in CPU_ALLOCATOR_ENV.items())
     if has_matplotlib:

@@ -160,7 +160,7 @@ def test_a_third_party_zero_strategy_written_from_the_hooks_is_certified(
 ) -> None:
     """DDP + ZeroRedundancyOptimizer, checkpoints customised through the hooks only: everything passes, and
     the only skips are the sharded format it does not declare, named as a structured declaration."""
-    from stratagem.testing._checks import skipped_declaration
+    from stratagem.contract._checks import skipped_declaration
 
     results = _results(report, ZERO)
     assert len(results) >= 20, sorted(results)
@@ -178,8 +178,8 @@ def test_a_third_party_zero_strategy_written_from_the_hooks_is_certified(
 @pytest.mark.timeout(900)
 def test_every_hook_is_exercised(report: dict[str, tuple[str, str]]) -> None:
     from stratagem import hookspecs
-    from stratagem._manager import DISCOVERY_HOOKS, EVENT_HOOKS, LAUNCHER_HOOKS, STRATEGY_HOOKS
-    from stratagem.testing._recorder import HookRecorder
+    from stratagem.contract._recorder import HookRecorder
+    from stratagem.registry._manager import DISCOVERY_HOOKS, EVENT_HOOKS, LAUNCHER_HOOKS, STRATEGY_HOOKS
 
     # Every name the partition lists is a spec; whatever is left is a strategy operation, which the
     # recorder below must cover, so a new strategy hook cannot escape the contract suite.
@@ -205,7 +205,7 @@ def _pytest(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_plugin_is_inert_without_its_option(tmp_path: Path) -> None:
     (tmp_path / "test_light.py").write_text(
         "import sys\n\ndef test_nothing_heavy_imported():\n"
-        "    assert 'torch' not in sys.modules\n    assert 'stratagem.testing._runner' not in sys.modules\n"
+        "    assert 'torch' not in sys.modules\n    assert 'stratagem.contract._runner' not in sys.modules\n"
     )
     completed = _pytest(["-q", "test_light.py"], tmp_path)
     assert completed.returncode == 0, completed.stdout + completed.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.demo.lm import CharWindows, load_text
+from stratagem.cli.demo.lm import CharWindows, load_text
 
 
 def _demo(*args: str, timeout: float) -> subprocess.CompletedProcess:

@@ -48,7 +48,7 @@ def test_every_design_hook_exists():
 
 
 def test_trainer_events_are_broadcast_hooks_and_no_strategy_operation():
-    from stratagem._manager import STRATEGY_HOOKS
+    from stratagem.registry._manager import STRATEGY_HOOKS
 
     for name in hookspecs.TRAINER_EVENTS:
         assert not getattr(hookspecs, name).stratagem_spec.get("firstresult"), name
@@ -97,7 +97,7 @@ def test_override_with_unknown_argument_is_refused():
 
 
 def test_override_with_fewer_arguments_is_accepted_and_called():
-    from stratagem._manager import StrategyHooks
+    from stratagem.registry._manager import StrategyHooks
 
     class Lean(Strategy):
         @hookimpl

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import stratagem as sg
-from stratagem import launcher
+from stratagem.launchers import _spawn as launcher
 
 WORKLOADS = Path(__file__).parent / "workloads"
 sys.path.insert(0, str(WORKLOADS))

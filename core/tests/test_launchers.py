@@ -12,10 +12,10 @@ import sys
 import pytest
 
 import stratagem as sg
-from stratagem._registry import PluginInfo, Registry
 from stratagem.engine import LAUNCHER_ENV
 from stratagem.errors import ConfigurationError, UnknownLauncherError
 from stratagem.launchers import ElasticLauncher, LauncherCapabilities
+from stratagem.registry._registry import PluginInfo, Registry
 
 
 def test_elastic_is_built_in_and_the_default(monkeypatch) -> None:

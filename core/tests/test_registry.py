@@ -8,7 +8,6 @@ import sys
 import pytest
 
 from stratagem import Capabilities, Engine, hookimpl
-from stratagem._manager import discover, get_registry
 from stratagem.errors import (
     CapabilityError,
     MissingDependencyError,
@@ -16,6 +15,7 @@ from stratagem.errors import (
     StrategyConflictError,
     UnknownStrategyError,
 )
+from stratagem.registry._manager import discover, get_registry
 
 GOOD_PLUGIN = """
     from stratagem import Capabilities, hookimpl
@@ -243,8 +243,8 @@ def test_engine_refuses_before_launching(monkeypatch):
 
 
 def test_addon_plugin_may_only_wrap_strategy_operations():
-    from stratagem._manager import StrategyHooks
     from stratagem.errors import HookImplementationError
+    from stratagem.registry._manager import StrategyHooks
     from stratagem.strategies import SingleDeviceStrategy
 
     class Wrapper:

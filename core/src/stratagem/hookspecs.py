@@ -22,8 +22,8 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
-    from stratagem.cluster import ClusterEnvironment
     from stratagem.launchers._job import LaunchJob
+    from stratagem.launchers.cluster import ClusterEnvironment
 
 PROJECT_NAME = "stratagem"
 

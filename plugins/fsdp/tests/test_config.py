@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from stratagem.cluster import ClusterEnvironment
 from stratagem.errors import ConfigurationError
+from stratagem.launchers.cluster import ClusterEnvironment
 from stratagem_fsdp import FSDPConfig, FSDPStrategy
 from stratagem_fsdp._mesh import plan
 from stratagem_fsdp._policy import to_policy
@@ -209,7 +209,7 @@ def test_hybrid_sizes_that_do_not_fit_are_refused() -> None:
 
 
 def test_registered_names_and_capabilities() -> None:
-    from stratagem._manager import get_registry
+    from stratagem.registry._manager import get_registry
 
     registry = get_registry()
     for name in ("fsdp", "fsdp_cpu_offload", "hsdp"):

@@ -115,7 +115,7 @@ class ModelCheckpoint:
             self.best, self.last = before
             raise
         if trainer.is_global_zero:
-            from stratagem._run_dir import publish_last, remove_checkpoint
+            from stratagem.trainer._run_dir import publish_last, remove_checkpoint
 
             publish_last(directory, name)
             keep = {e[0] for e in self.best} | {name}

@@ -1,7 +1,10 @@
-"""The contract suite: ``pytest --pyargs stratagem.contract --stratagem-strategy NAME``.
+"""The contract suite: ``pytest --pyargs stratagem.contract --stratagem-strategy NAME`` (or ``stratagem
+contract NAME``), and the pytest plugin that runs it (:mod:`stratagem.contract.plugin`, registered under
+``pytest11``; also importable by its former name, ``stratagem.testing``).
 
 Each ``test_*`` module here is one group of checks. They assert on the results of two real multi-process runs
-per strategy (see :mod:`stratagem.testing._workers`), launched once and shared through session fixtures of
-the ``stratagem.testing`` pytest plugin. A check that the strategy's declared capabilities do not promise is
-skipped, with the capability named as the reason.
+per strategy (see :mod:`stratagem.contract._workers`), launched once and shared through session fixtures of
+the plugin. A check that the strategy's declared capabilities do not promise is skipped, with the capability
+named as the reason. The private modules are the runner (``_runner``), what runs in the workers
+(``_workers``, ``_model``, ``_recorder``) and the comparisons (``_checks``).
 """

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from stratagem.testing._checks import fail_on, skip_undeclared
+from stratagem.contract._checks import fail_on, skip_undeclared
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -25,7 +25,7 @@ def exercised_hooks(run: Any) -> Counter[str]:
 
 
 def test_every_hook_is_exercised(contract_run: Any) -> None:
-    from stratagem._manager import STRATEGY_HOOKS, get_registry
+    from stratagem.registry._manager import STRATEGY_HOOKS, get_registry
 
     if contract_run.subject.no_training:
         skip_undeclared("precisions", "32-true", contract_run.subject.no_training)

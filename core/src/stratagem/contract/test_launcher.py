@@ -3,7 +3,7 @@
 A launcher starts the workers it is asked for with the rank environment, hands back rank 0's result, passes
 ``job.env`` through, runs script jobs as well as function jobs, and surfaces a worker's exception (its rank,
 its message, its traceback) instead of hanging on the peers that wait for it. Three real launches, made once
-(see :mod:`stratagem.testing._launcher_runner`) and shared by these checks.
+(see :mod:`stratagem.contract._launcher_runner`) and shared by these checks.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from stratagem.testing._checks import fail_on
+from stratagem.contract._checks import fail_on
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -61,7 +61,7 @@ def test_declares_capabilities(launcher_run: Any) -> None:
 
 
 def test_function_job_gets_rank_environment_and_a_working_group(launcher_run: Any) -> None:
-    from stratagem.testing._launcher_runner import WORLD
+    from stratagem.contract._launcher_runner import WORLD
 
     results = _succeeded(launcher_run.ok, "a function job on 2 workers")
     assert 0 in results, f"expected rank 0's result among the results, got ranks {sorted(results)}"
@@ -74,7 +74,7 @@ def test_function_job_gets_rank_environment_and_a_working_group(launcher_run: An
 
 
 def test_script_job_runs_in_every_worker(launcher_run: Any) -> None:
-    from stratagem.testing._launcher_runner import WORLD
+    from stratagem.contract._launcher_runner import WORLD
 
     _succeeded(launcher_run.script, "a script job (python -m ...) on 2 workers")
     files = sorted(launcher_run.script_dir.glob("rank-*.json"))
@@ -86,8 +86,8 @@ def test_script_job_runs_in_every_worker(launcher_run: Any) -> None:
 
 
 def test_worker_exception_names_its_rank_and_does_not_hang(launcher_run: Any) -> None:
+    from stratagem.contract._launcher_workloads import COLLECTIVE_TIMEOUT_S
     from stratagem.errors import WorkerFailedError
-    from stratagem.testing._launcher_workloads import COLLECTIVE_TIMEOUT_S
 
     error = launcher_run.failing.error
     assert error is not None, f"rank 1 raised, yet the launch returned {launcher_run.failing.result!r}"

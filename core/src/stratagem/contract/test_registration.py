@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from stratagem.testing._checks import fail_on
+from stratagem.contract._checks import fail_on
 
 
 def _strategy_class(subject: Any) -> type:
@@ -18,7 +18,7 @@ def _strategy_class(subject: Any) -> type:
 def test_registration_metadata_is_complete(contract_subject: Any) -> None:
     import importlib_metadata
 
-    from stratagem.capabilities import Capabilities
+    from stratagem.registry.capabilities import Capabilities
 
     info, problems = contract_subject.info, list(contract_subject.declaration_problems)
     if not isinstance(info.description, str) or not info.description.strip():
@@ -43,9 +43,9 @@ def test_registration_metadata_is_complete(contract_subject: Any) -> None:
 
 def test_hook_implementations_match_the_specs(contract_subject: Any) -> None:
     from stratagem import hookspecs
-    from stratagem._hook_object import check_hook_overrides
-    from stratagem._manager import STRATEGY_HOOKS, StrategyHooks
     from stratagem.errors import HookImplementationError
+    from stratagem.registry._hook_object import check_hook_overrides
+    from stratagem.registry._manager import STRATEGY_HOOKS, StrategyHooks
     from stratagem.strategies.base import Strategy
 
     cls = _strategy_class(contract_subject)

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from stratagem.contract import _model as m
+from stratagem.contract._checks import compare, compare_series, fail_on, section
 from stratagem.contract.test_checkpoint import require_format
-from stratagem.testing import _model as m
-from stratagem.testing._checks import compare, compare_series, fail_on, section
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stratagem._lazy import lazy_getattr
+from stratagem.registry._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from stratagem.launchers._job import LauncherCapabilities, LaunchJob

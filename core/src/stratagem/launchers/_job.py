@@ -1,56 +1,16 @@
-"""What a launcher is asked to run, and what a launcher declares it can do."""
+"""What a launcher is asked to run (what it declares it can do is
+:class:`~stratagem.registry.capabilities.LauncherCapabilities`, re-exported here)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
-from stratagem.capabilities import ACCELERATORS
+from stratagem.registry.capabilities import LauncherCapabilities
 
-
-def _accelerators(value: Iterable[str] | str) -> frozenset[str]:
-    items = frozenset([value] if isinstance(value, str) else value)
-    unknown = sorted(items - ACCELERATORS)
-    if unknown:
-        raise ValueError(
-            f"LauncherCapabilities: unknown accelerators {unknown}; known: {sorted(ACCELERATORS)}"
-        )
-    return items
-
-
-@attrs.frozen(kw_only=True)
-class LauncherCapabilities:
-    """Checked before anything starts: the accelerators the workers may use, whether a run may span nodes, and
-    the distributions the launcher needs (named, never imported, when listing)."""
-
-    accelerators: frozenset[str] = attrs.field(default=ACCELERATORS, converter=_accelerators)
-    multi_node: bool = False
-    #: One launch from one process starts the workers of every node (Ray); otherwise each node runs its own
-    #: launch (torch's elastic agent: ``stratagem run`` on every node).
-    starts_all_nodes: bool = False
-    requires: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-
-    def refusal(self, *, accelerator: str, num_nodes: int) -> str | None:
-        if accelerator not in self.accelerators:
-            return f"accelerator {accelerator!r} (it supports {sorted(self.accelerators)})"
-        if num_nodes > 1 and not self.multi_node:
-            return f"{num_nodes} nodes (it runs on one node)"
-        return None
-
-    def missing_requirements(self) -> list[str]:
-        from stratagem.capabilities import _requirement_installed
-
-        return [r for r in self.requires if not _requirement_installed(r)]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "accelerators": sorted(self.accelerators),
-            "multi_node": self.multi_node,
-            "starts_all_nodes": self.starts_all_nodes,
-            "requires": list(self.requires),
-        }
+__all__ = ["LaunchJob", "LauncherCapabilities"]
 
 
 @attrs.frozen(kw_only=True)

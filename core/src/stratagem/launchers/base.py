@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from stratagem._hook_object import HookObject
 from stratagem.hookspecs import hookimpl
 from stratagem.launchers._job import LaunchJob
+from stratagem.registry._hook_object import HookObject
 
 
 class Launcher(HookObject):
@@ -15,6 +15,8 @@ class Launcher(HookObject):
     Its options are its constructor's (``RayLauncher(address=..., max_failures=...)``); the name it was
     registered under is ``registered_name``.
     """
+
+    plugin_kind = "launcher"
 
     @hookimpl
     def launch_workers(self, job: LaunchJob) -> dict[int, Any]:

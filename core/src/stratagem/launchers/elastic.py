@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stratagem import launcher as agent
 from stratagem.hookspecs import hookimpl
+from stratagem.launchers import _spawn as agent
 from stratagem.launchers._job import LaunchJob
 from stratagem.launchers.base import Launcher
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from stratagem._logging import CsvLog
 from stratagem.loggers._base import RankZeroLogger
+from stratagem.trainer._metrics import CsvLog
 
 
 class CSVLogger(RankZeroLogger):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stratagem._lazy import lazy_getattr
+from stratagem.registry._lazy import lazy_getattr
 
 __all__ = ["SingleDeviceStrategy", "Strategy", "TorchDistributedStrategy"]
 

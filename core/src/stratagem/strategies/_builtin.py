@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from stratagem.capabilities import Capabilities
 from stratagem.hookspecs import hookimpl
+from stratagem.registry.capabilities import Capabilities
 
 
 @hookimpl

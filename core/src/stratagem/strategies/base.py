@@ -13,10 +13,10 @@ from typing import Any, ContextManager
 
 import torch
 
-from stratagem._hook_object import HookObject
-from stratagem.cluster import ClusterEnvironment
 from stratagem.hookspecs import hookimpl
-from stratagem.precision import autocast, default_dtype, param_dtype
+from stratagem.launchers.cluster import ClusterEnvironment
+from stratagem.registry._hook_object import HookObject
+from stratagem.strategies.precision import autocast, default_dtype, param_dtype
 
 
 class Strategy(HookObject):
@@ -27,6 +27,8 @@ class Strategy(HookObject):
     :meth:`module_state_dict`, :meth:`optimizer_state_dict`, :meth:`load_module_state_dict`,
     :meth:`load_optimizer_state_dict`.
     """
+
+    plugin_kind = "strategy"
 
     #: The name the registry created this strategy under (empty for an instance built by hand).
     registered_name: str = ""
@@ -79,7 +81,7 @@ class Strategy(HookObject):
 
     @hookimpl
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        from stratagem.wrapping import materialize_meta
+        from stratagem.strategies.wrapping import materialize_meta
 
         materialize_meta(model, self.device)
         model = model.to(self.device)

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.cluster import ClusterEnvironment
 from stratagem.errors import ConfigurationError
 from stratagem.hookspecs import hookimpl
+from stratagem.launchers.cluster import ClusterEnvironment
 from stratagem.strategies.base import Strategy, _check_op
 
 #: At exit, how long C++ threads get to drop what they still hold before the interpreter is torn down.

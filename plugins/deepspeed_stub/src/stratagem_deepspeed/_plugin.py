@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stratagem import hookimpl
-from stratagem.capabilities import Capabilities
+from stratagem.registry.capabilities import Capabilities
 
 _FACTORY = "stratagem_deepspeed.strategy:DeepSpeedStrategy"
 #: What `pip install stratagem-deepspeed[deepspeed]` adds; the core refuses the names before launch without it.

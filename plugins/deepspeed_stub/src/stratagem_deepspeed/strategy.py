@@ -26,10 +26,10 @@ from typing import Any, ContextManager
 import torch
 
 from stratagem import hookimpl
-from stratagem.cluster import ClusterEnvironment
 from stratagem.errors import ConfigurationError
-from stratagem.precision import default_dtype, param_dtype
+from stratagem.launchers.cluster import ClusterEnvironment
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.precision import default_dtype, param_dtype
 from stratagem.strategies.torch_distributed import TorchDistributedStrategy
 from stratagem_deepspeed import _runtime, _state
 from stratagem_deepspeed._config import CONFIG_ENV, DeepSpeedConfig

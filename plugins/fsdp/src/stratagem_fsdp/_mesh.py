@@ -9,7 +9,7 @@ import attrs
 from stratagem.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from stratagem.cluster import ClusterEnvironment
+    from stratagem.launchers.cluster import ClusterEnvironment
     from stratagem_fsdp._config import FSDPConfig
 
 #: Names of a 2D mesh's dimensions: FSDP2 replicates over dim 0 and shards over dim 1.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stratagem import hookimpl
-from stratagem.capabilities import Capabilities
+from stratagem.registry.capabilities import Capabilities
 
 _FACTORY = "stratagem_fsdp.strategy:FSDPStrategy"
 

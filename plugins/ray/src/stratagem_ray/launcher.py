@@ -313,8 +313,8 @@ def _root_cause(first: WorkerFailedError, pending: dict[Any, int]) -> WorkerFail
     exception leaves the actor)."""
     import ray
 
-    from stratagem._failures import lost_peer
-    from stratagem.launcher import LOST_PEER_GRACE_S
+    from stratagem.launchers._failures import lost_peer
+    from stratagem.launchers._spawn import LOST_PEER_GRACE_S
 
     if not lost_peer(first.detail):
         return first

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from stratagem import hookimpl
-from stratagem.cluster import ClusterEnvironment
 from stratagem.errors import ConfigurationError
-from stratagem.precision import param_dtype
+from stratagem.launchers.cluster import ClusterEnvironment
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.precision import param_dtype
 from stratagem.strategies.torch_distributed import TorchDistributedStrategy
-from stratagem.wrapping import has_meta_tensors, wrapping_with
+from stratagem.strategies.wrapping import has_meta_tensors, wrapping_with
 from stratagem_fsdp import _init, _wrap
 from stratagem_tp import _config, _plan
 

@@ -1,0 +1,152 @@
+"""The pytest plugin registered under ``pytest11``. Inert unless ``--stratagem-strategy`` or
+``--stratagem-launcher`` is given.
+
+It imports nothing heavy: a project's own pytest run pays only for this module. The contract checks live in
+``stratagem.contract`` and run with ``pytest --pyargs stratagem.contract --stratagem-strategy NAME`` (a
+strategy) or ``--stratagem-launcher NAME`` (a launcher: ``stratagem.contract.test_launcher``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+OPTION = "--stratagem-strategy"
+LAUNCHER_OPTION = "--stratagem-launcher"
+_NAMES = pytest.StashKey[list]()
+_LAUNCHERS = pytest.StashKey[list]()
+
+
+def pytest_addoption(parser: Any) -> None:
+    group = parser.getgroup("stratagem", "stratagem contract suite")
+    group.addoption(
+        OPTION,
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="certify this strategy with `pytest --pyargs stratagem.contract` (repeatable; 'all' for every one; "
+        "NAME[key=value,...] certifies it created with those options)",
+    )
+    group.addoption(
+        LAUNCHER_OPTION,
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="certify this launcher with `pytest --pyargs stratagem.contract` (repeatable; 'all' for every one)",
+    )
+
+
+def pytest_configure(config: Any) -> None:
+    # The suite runs in other projects too, whose settings may be --strict-markers without ours.
+    config.addinivalue_line("markers", "multiprocess: starts real worker processes over gloo")
+    config.addinivalue_line("markers", "timeout(seconds): fail a test that runs longer (pytest-timeout)")
+    # Checked now, so that a wrong name is one clear usage error rather than an error per test module.
+    config.stash[_NAMES] = selected_strategies(config)
+    config.stash[_LAUNCHERS] = selected_launchers(config)
+
+
+def selected_strategies(config: Any) -> list[str]:
+    """The strategy names asked for, with ``all`` expanded; an unknown name is a usage error."""
+    return _selected(config, OPTION, "strategy")
+
+
+def selected_launchers(config: Any) -> list[str]:
+    """The launcher names asked for, with ``all`` expanded; an unknown name is a usage error."""
+    return _selected(config, LAUNCHER_OPTION, "launcher")
+
+
+def _selected(config: Any, option: str, kind: str) -> list[str]:
+    from stratagem.registry._labels import parse_label, split_top_level
+
+    # Commas separate names, except inside a strategy's options: fsdp_tp[tensor_parallel_size=2,plan=...].
+    requested = [n for value in config.getoption(option) or [] for n in split_top_level(value)]
+    if not requested:
+        return []
+    from stratagem.errors import StratagemError
+    from stratagem.registry._manager import get_registry
+
+    registry = get_registry()
+    every, look_up = (
+        (registry.names(), registry.get)
+        if kind == "strategy"
+        else (sorted(registry.launchers), registry.get_launcher)
+    )
+    names: list[str] = []
+    for name in requested:
+        for resolved in every if name == "all" else [name]:
+            try:
+                if kind == "strategy":
+                    look_up(parse_label(resolved, option)[0])
+                else:
+                    look_up(resolved)
+            except StratagemError as error:
+                raise pytest.UsageError(f"{option} {resolved}: {error}") from None
+            if resolved not in names:
+                names.append(resolved)
+    return names
+
+
+def pytest_generate_tests(metafunc: Any) -> None:
+    if "stratagem_strategy" in metafunc.fixturenames:
+        names = metafunc.config.stash[_NAMES]
+        # Session scope: every check of one strategy shares one pair of launches.
+        metafunc.parametrize("stratagem_strategy", names, ids=names, scope="session")
+    if "stratagem_launcher" in metafunc.fixturenames:
+        names = metafunc.config.stash[_LAUNCHERS]
+        metafunc.parametrize("stratagem_launcher", names, ids=names, scope="session")
+
+
+def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
+    strategies, launchers = config.stash[_NAMES], config.stash[_LAUNCHERS]
+    wanted = {"stratagem_strategy": strategies, "stratagem_launcher": launchers}
+    if not any(any(k in getattr(item, "fixturenames", ()) for k in wanted) for item in items):
+        return  # not the contract suite: a project's own tests
+    if not strategies and not launchers:
+        raise pytest.UsageError(
+            f"The stratagem contract suite certifies a strategy or a launcher: pass {OPTION} NAME or "
+            f"{LAUNCHER_OPTION} NAME (repeatable, or 'all'), e.g. `pytest --pyargs stratagem.contract "
+            "--stratagem-strategy single_device`, or run `stratagem contract NAME` / `stratagem contract "
+            "--launcher NAME`. `stratagem strategies` and `stratagem launchers` list the installed names."
+        )
+    # Certifying only launchers (or only strategies): the other section's checks are not collected at all,
+    # rather than reported as skipped.
+    kept, dropped = [], []
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if any(key in names and not given for key, given in wanted.items()):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+@pytest.fixture(scope="session")
+def contract_subject(stratagem_strategy: str) -> Any:
+    """What the strategy under test declares (see :class:`stratagem.contract._runner.Subject`)."""
+    from stratagem.contract._runner import subject_for
+
+    return subject_for(stratagem_strategy)
+
+
+@pytest.fixture(scope="session")
+def contract_run(contract_subject: Any, tmp_path_factory: Any) -> Any:
+    """Both worker launches for the strategy under test, run once and shared by every check."""
+    if contract_subject.unavailable:
+        pytest.skip(contract_subject.unavailable)
+    import re
+
+    from stratagem.contract._runner import run
+
+    label = re.sub(r"[^\w.-]+", "_", contract_subject.name)
+    return run(contract_subject, tmp_path_factory.mktemp(f"contract-{label}"))
+
+
+@pytest.fixture(scope="session")
+def launcher_run(stratagem_launcher: str, tmp_path_factory: Any) -> Any:
+    """The launcher section's three launches for the launcher under test, made once."""
+    from stratagem.contract._launcher_runner import run
+
+    return run(stratagem_launcher, tmp_path_factory.mktemp(f"launcher-{stratagem_launcher}"))

@@ -1,0 +1,22 @@
+"""The Engine: a chosen strategy's operations for a hand-written loop (launch, set up, backward, step, save and
+load, collectives). The Trainer is built on it. Torch is imported on first use of :class:`Engine`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from stratagem.registry._lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from stratagem.engine._engine import Engine
+
+__all__ = ["DEFAULT_LAUNCHER", "DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "STRATEGY_ENV", "Engine"]
+
+#: ``stratagem run --strategy S`` sets this; it replaces ``strategy="auto"``.
+STRATEGY_ENV = "STRATAGEM_STRATEGY"
+#: Names the launcher for ``launcher="auto"`` (``stratagem run --launcher L`` sets it too).
+LAUNCHER_ENV = "STRATAGEM_LAUNCHER"
+DEFAULT_LAUNCHER = "elastic"
+DEFAULT_TIMEOUT_S = 1800.0
+
+__getattr__ = lazy_getattr(__name__, {"Engine": "stratagem.engine._engine"}, globals())

@@ -1,0 +1,343 @@
+"""The plugin manager: the only module that touches ``pm.hook``.
+
+Discovery loads the entry points of the group ``stratagem`` and asks each plugin to
+``register_strategies(register)``. At run time a fresh manager holds the chosen strategy (the only plain
+implementation of each strategy operation) and the add-on plugins, whose implementations must be wrappers.
+Each Trainer has a manager of its own for its events, holding only the callbacks and loggers it was given.
+Callers use the typed methods of :class:`StrategyHooks` and :class:`TrainerEventHooks`, never ``pm.hook``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ContextManager
+
+import pluggy
+
+from stratagem import hookspecs
+from stratagem.errors import HookImplementationError, PluginLoadError
+from stratagem.registry._registry import PluginInfo, Registry
+
+if TYPE_CHECKING:
+    import torch
+
+    from stratagem.launchers.cluster import ClusterEnvironment
+    from stratagem.strategies import Strategy
+
+ENTRY_POINT_GROUP = "stratagem"
+PLUGINS_ENV = "STRATAGEM_PLUGINS"
+BUILTIN_PLUGIN = "stratagem.strategies._builtin"
+BUILTIN_LAUNCHERS = "stratagem.launchers._builtin"
+BUILTIN_CALLBACKS = "stratagem.callbacks._builtin"
+BUILTIN_LOGGERS = "stratagem.loggers._builtin"
+#: Discovery hooks (every implementation runs) and the launcher's operation: not strategy operations.
+DISCOVERY_HOOKS = frozenset(
+    {"register_strategies", "register_launchers", "register_callbacks", "register_loggers"}
+)
+LAUNCHER_HOOKS = frozenset({"launch_workers"})
+#: The Trainer's events: broadcast hooks of callbacks and loggers, never of a strategy.
+EVENT_HOOKS = frozenset(hookspecs.TRAINER_EVENTS)
+
+#: Hooks whose plain implementation belongs to the chosen strategy alone.
+STRATEGY_HOOKS = (
+    frozenset(
+        name
+        for name in dir(hookspecs)
+        if not name.startswith("_") and hasattr(getattr(hookspecs, name), "stratagem_spec")
+    )
+    - DISCOVERY_HOOKS
+    - LAUNCHER_HOOKS
+    - EVENT_HOOKS
+)
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def _allowed(environ: Mapping[str, str]) -> set[str] | None:
+    """The entry-point names ``STRATAGEM_PLUGINS`` allows (``None``: all; empty: none but built-ins)."""
+    if PLUGINS_ENV not in environ:
+        return None
+    return {part.strip() for part in environ[PLUGINS_ENV].split(",") if part.strip()}
+
+
+def _entry_points() -> list[Any]:
+    import importlib_metadata
+
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    # The same distribution can be visible twice on sys.path (an editable install and a build dir).
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        key = (ep.name, ep.value)
+        if key not in seen:
+            seen.add(key)
+            unique.append(ep)
+    return unique
+
+
+def discover(environ: Mapping[str, str] | None = None) -> tuple[Registry, list[types.ModuleType]]:
+    """Load the built-in and installed plugins and collect their strategies.
+
+    A plugin that fails to import or to register is recorded in ``registry.broken`` and skipped; the others
+    load. Returns the registry and the plugin modules that loaded (for the run-time manager).
+    """
+    import importlib
+
+    env = os.environ if environ is None else environ
+    registry = Registry()
+    modules: list[types.ModuleType] = []
+    pm = new_plugin_manager()
+    version = _own_version()
+    builtin = PluginInfo(name="stratagem", distribution="stratagem", version=version)
+    candidates: list[tuple[PluginInfo, Any]] = [
+        (builtin, name) for name in (BUILTIN_PLUGIN, BUILTIN_LAUNCHERS, BUILTIN_CALLBACKS, BUILTIN_LOGGERS)
+    ]
+    allowed = _allowed(env)
+    for ep in _entry_points():
+        if allowed is not None and ep.name not in allowed:
+            continue
+        dist = ep.dist
+        info = PluginInfo(
+            name=ep.name,
+            distribution=dist.name if dist else "(unknown)",
+            version=dist.version if dist else "?",
+        )
+        candidates.append((info, ep))
+    for info, source in candidates:
+        label = source if isinstance(source, str) else f"{source.name} = {source.value}"
+        try:
+            module = importlib.import_module(source) if isinstance(source, str) else source.load()
+            pm.register(module, name=f"{info.name}:{getattr(module, '__name__', label)}")
+            for impl in pm.hook.register_strategies.get_hookimpls():
+                if impl.plugin is module:
+                    impl.function(register=registry.registrar(info))
+            for impl in pm.hook.register_launchers.get_hookimpls():
+                if impl.plugin is module:
+                    impl.function(register=registry.launcher_registrar(info))
+            for impl in pm.hook.register_callbacks.get_hookimpls():
+                if impl.plugin is module:
+                    impl.function(register=registry.callback_registrar(info, "callback"))
+            for impl in pm.hook.register_loggers.get_hookimpls():
+                if impl.plugin is module:
+                    impl.function(register=registry.callback_registrar(info, "logger"))
+        except Exception as error:
+            registry.broken.append(PluginLoadError(label, info.distribution, info.version, error))
+            continue
+        modules.append(module)
+    return registry, modules
+
+
+def _own_version() -> str:
+    from stratagem import __version__
+
+    return __version__
+
+
+_cache: dict[str | None, tuple[Registry, list[types.ModuleType]]] = {}
+_cache_lock = threading.Lock()
+
+
+def get_registry(refresh: bool = False) -> Registry:
+    """The process-wide registry, built on first use (``refresh`` rebuilds it)."""
+    return _cached(refresh)[0]
+
+
+def _cached(refresh: bool = False) -> tuple[Registry, list[types.ModuleType]]:
+    key = os.environ.get(PLUGINS_ENV)
+    with _cache_lock:
+        if refresh or key not in _cache:
+            _cache[key] = discover()
+        return _cache[key]
+
+
+def installed_plugins() -> list[types.ModuleType]:
+    """The plugin modules that loaded (the add-ons every StrategyHooks registers by default)."""
+    return list(_cached()[1])
+
+
+def _check_addon(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    for hook_name in STRATEGY_HOOKS:
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
+                raise HookImplementationError(
+                    f"Plugin {name!r} implements the strategy operation {hook_name!r} as a plain hook. Only the "
+                    f"chosen strategy may; an add-on must use @hookimpl(wrapper=True) around it."
+                )
+
+
+class StrategyHooks:
+    """Typed calls into the chosen strategy and the add-ons wrapped around it."""
+
+    def __init__(self, strategy: Strategy, addons: list[object] | None = None) -> None:
+        self.strategy = strategy
+        self._pm = new_plugin_manager()
+        for addon in _cached()[1] if addons is None else addons:
+            name = getattr(addon, "__name__", None) or type(addon).__name__
+            self._pm.register(addon, name=f"addon:{name}")
+            _check_addon(self._pm, addon, name)
+        self._pm.register(
+            strategy, name=f"strategy:{getattr(strategy, 'registered_name', type(strategy).__name__)}"
+        )
+        self._hook = self._pm.hook
+
+    # environment ----------------------------------------------------------------------------------
+    def setup_environment(self, cluster: ClusterEnvironment, precision: str) -> None:
+        self._hook.setup_environment(cluster=cluster, precision=precision)
+
+    # model -----------------------------------------------------------------------------------------
+    def model_init_context(self, empty_init: bool) -> ContextManager[None]:
+        return self._hook.model_init_context(empty_init=empty_init)
+
+    def model_sharded_context(self) -> ContextManager[None]:
+        return self._hook.model_sharded_context()
+
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self._hook.wrap_model(model=model)
+
+    def forward_context(self) -> ContextManager[None]:
+        return self._hook.forward_context()
+
+    # optimization ----------------------------------------------------------------------------------
+    def setup_optimizers(self, model: torch.nn.Module, optimizers: list[Any]) -> list[Any]:
+        return list(self._hook.setup_optimizers(model=model, optimizers=list(optimizers)))
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
+        self._hook.backward(loss=loss, model=model)
+
+    def optimizer_step(self, optimizer: Any, model: torch.nn.Module) -> None:
+        self._hook.optimizer_step(optimizer=optimizer, model=model)
+
+    def clip_gradients(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        return self._hook.clip_gradients(model=model, optimizer=optimizer, max_norm=max_norm)
+
+    def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
+        return self._hook.no_sync(model=model)
+
+    # data ------------------------------------------------------------------------------------------
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return self._hook.distributed_sampler_kwargs()
+
+    # checkpoint ------------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str, state: dict[str, Any], format: str) -> None:
+        self._hook.save_checkpoint(path=path, state=state, format=format)
+
+    def load_checkpoint(self, path: str, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+        return self._hook.load_checkpoint(path=path, state=state, strict=strict)
+
+    # collectives -----------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return self._hook.all_reduce(tensor=tensor, op=op)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self._hook.all_gather(tensor=tensor)
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        return self._hook.broadcast(obj=obj, src=src)
+
+    def barrier(self, name: str | None) -> None:
+        self._hook.barrier(name=name)
+
+    # teardown --------------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        self._hook.teardown()
+
+
+class LauncherHooks:
+    """The typed call into the chosen launcher."""
+
+    def __init__(self, launcher: object) -> None:
+        self._pm = new_plugin_manager()
+        self._pm.register(launcher, name=f"launcher:{getattr(launcher, 'name', type(launcher).__name__)}")
+        self._hook = self._pm.hook
+
+    def launch_workers(self, job: Any) -> dict[int, Any]:
+        result = self._hook.launch_workers(job=job)
+        return {} if result is None else dict(result)
+
+
+#: Events whose implementations the Trainer calls one by one (each gets a state dict of its own).
+_PER_CALLBACK_EVENTS = ("on_save_checkpoint", "on_load_checkpoint")
+
+
+def _event_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(types.SimpleNamespace(**{name: getattr(hookspecs, name) for name in EVENT_HOOKS}))
+    return pm
+
+
+def _check_callback(plugin: object, name: str) -> None:
+    """Refuse, naming the callback, a method marked ``@hookimpl`` that no event would ever call."""
+    import difflib
+
+    marker = f"{hookspecs.PROJECT_NAME}_impl"
+    # Class attributes first (without triggering properties), then what the instance itself holds.
+    members = {a: getattr(type(plugin), a, None) for a in dir(type(plugin)) if not a.startswith("__")}
+    members.update({a: v for a, v in getattr(plugin, "__dict__", {}).items() if not a.startswith("__")})
+    for attr, member in members.items():
+        opts = getattr(member, marker, None)
+        if opts is None:
+            continue
+        event = opts.get("specname") or attr
+        if event not in EVENT_HOOKS:
+            close = difflib.get_close_matches(event, sorted(EVENT_HOOKS), n=1, cutoff=0.5)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise HookImplementationError(
+                f"Callback {name!r}: {attr} is marked @hookimpl but {event!r} is not a Trainer event, so it "
+                f"would never be called.{hint} Events: {', '.join(hookspecs.TRAINER_EVENTS)}."
+            )
+        if event in _PER_CALLBACK_EVENTS and (opts.get("wrapper") or opts.get("hookwrapper")):
+            raise HookImplementationError(
+                f"Callback {name!r}: {event} cannot be a wrapper; implement it plainly (it fills a state dict)."
+            )
+
+
+class TrainerEventHooks:
+    """The events of one Trainer, calling its callbacks and loggers (in the order given: callbacks, then
+    loggers). An event nobody implements costs one set lookup."""
+
+    def __init__(self, plugins: list[tuple[str, object]]) -> None:
+        self._pm = _event_manager()
+        # pluggy calls the implementation registered last first: register in reverse to keep the given order.
+        for name, plugin in reversed(plugins):
+            _check_callback(plugin, name)
+            try:
+                self._pm.register(plugin, name=name)
+            except (ValueError, pluggy.PluginValidationError) as error:
+                raise HookImplementationError(f"Callback {name!r} cannot be registered: {error}") from error
+        self._hook = self._pm.hook
+        self.implemented = frozenset(e for e in EVENT_HOOKS if getattr(self._hook, e).get_hookimpls())
+        self.names = [name for name, _ in plugins]
+
+    def call(self, event: str, **kwargs: Any) -> None:
+        """Run ``event`` in every callback that implements it (keyword arguments as the spec names them)."""
+        if event in self.implemented:
+            getattr(self._hook, event)(**kwargs)
+
+    def collect_states(self, trainer: Any, path: str) -> dict[str, dict[str, Any]]:
+        """Each callback's own state for a checkpoint, keyed by its name."""
+        states: dict[str, dict[str, Any]] = {}
+        if "on_save_checkpoint" not in self.implemented:
+            return states
+        for impl in reversed(self._hook.on_save_checkpoint.get_hookimpls()):
+            state: dict[str, Any] = {}
+            args = {"trainer": trainer, "path": path, "state": state}
+            impl.function(*[args[a] for a in impl.argnames])
+            if state:
+                states[impl.plugin_name] = state
+        return states
+
+    def restore_states(self, trainer: Any, path: str, states: Mapping[str, Any]) -> None:
+        """Give each callback back what it stored (nothing for one the checkpoint holds no state of)."""
+        if "on_load_checkpoint" not in self.implemented:
+            return
+        for impl in reversed(self._hook.on_load_checkpoint.get_hookimpls()):
+            if impl.plugin_name not in states:
+                continue
+            args = {"trainer": trainer, "path": path, "state": dict(states[impl.plugin_name])}
+            impl.function(*[args[a] for a in impl.argnames])

@@ -1,1 +1,0 @@
-"""stratagem's pytest plugin and helpers for certifying strategies (the contract suite)."""

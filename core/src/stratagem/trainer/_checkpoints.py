@@ -1,0 +1,173 @@
+"""What a :class:`~stratagem.Trainer` saves and how it resumes: the state it hands the Engine (model,
+optimizers, schedulers, scaler, position in the data, RNG, callbacks' states), the periodic checkpoints with
+their ``last`` pointer and pruning, and loading a checkpoint to continue exactly where it was written (at
+another world size too)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from stratagem.checkpoint import PerRank, _store
+from stratagem.engine.seed import capture_rng
+from stratagem.errors import CheckpointError, ConfigurationError
+from stratagem.trainer._resume import Position, continue_at_world_size
+from stratagem.trainer._run_dir import (
+    CHECKPOINT_DIR,
+    checkpoint_name,
+    find_last_checkpoint,
+    prune,
+    publish_last,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from stratagem.engine import Engine
+    from stratagem.registry._manager import TrainerEventHooks
+    from stratagem.trainer._optimizers import Scheduler
+    from stratagem.trainer._options import TrainerOptions
+    from stratagem.trainer._recovery import Recovery
+    from stratagem.trainer.module import Module
+
+
+class CheckpointingMixin:
+    """The Trainer's checkpoint methods; the Trainer holds the state they read and restore."""
+
+    options: TrainerOptions
+    engine: Engine
+    position: Position
+    module: Module | None
+    model: torch.nn.Module | None
+    optimizers: list[Any]
+    lr_schedulers: list[Scheduler]
+    _events: TrainerEventHooks
+    _recovery: Recovery
+    _epoch_rng: dict[str, Any] | None
+    _resume: dict[str, Any] | None
+    _last_saved_step: int | None
+
+    def print(self, *args: Any) -> None:  # the Trainer's
+        raise NotImplementedError
+
+    @property
+    def checkpoint_dir(self) -> Path | str:
+        return _store.join(self.options.default_root_dir, CHECKPOINT_DIR)
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.options.checkpoint_format or getattr(self.engine.strategy, "checkpoint_format", "full")
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        format: str | None = None,
+        *,
+        blocking: bool = True,
+        _on_published: Any = None,
+    ) -> None:
+        """Save the model, optimizers, schedulers, position in the data and RNG states. Call it on every rank.
+        ``blocking=False``: see :meth:`Engine.save`."""
+        if self.model is None:
+            raise ConfigurationError("save_checkpoint() before fit(): there is no model set up to save yet.")
+        extras: dict[str, Any] = {}
+        assert self.module is not None
+        self.module.on_save_checkpoint(extras)
+        state = self._live_state()
+        state.update(
+            progress=self.position.to_dict(),
+            rng=PerRank(capture_rng()),
+            epoch_rng=PerRank(self._epoch_rng),
+            extras=extras,
+            topology={
+                "world_size": self.engine.world_size,
+                "accumulate_grad_batches": self.options.accumulate_grad_batches,
+            },
+        )
+        if "on_save_checkpoint" in self._events.implemented:
+            state["callbacks"] = PerRank(self._events.collect_states(self, str(path)))
+        self.engine.save(
+            path,
+            state,
+            format=format or self.checkpoint_format,
+            blocking=blocking,
+            _on_published=_on_published,
+        )
+        self._last_saved_step = self.position.step
+        self._recovery.saved()
+
+    def _live_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.model}
+        for i, optimizer in enumerate(self.optimizers):
+            state["optimizer" if i == 0 else f"optimizer_{i}"] = optimizer
+        for i, scheduler in enumerate(self.lr_schedulers):
+            state[f"lr_scheduler_{i}"] = scheduler.scheduler
+        scaler = getattr(self.engine.strategy, "scaler", None)
+        if scaler is not None:
+            state["grad_scaler"] = scaler
+        return state
+
+    def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None:
+        if ckpt_path is None:
+            return None
+        if ckpt_path != "last":
+            return _store.location(ckpt_path)
+        found = find_last_checkpoint(self.checkpoint_dir) if self.engine.is_global_zero else None
+        found = self.engine.broadcast(None if found is None else str(found), 0)
+        if found is None:
+            self.print(f"No checkpoint under {self.checkpoint_dir}: training from the start.")
+            return None
+        return _store.location(found)
+
+    def _load_for_resume(self, path: Path | str) -> None:
+        rest = self.engine.load(path, self._live_state(), strict=True)
+        progress = rest.get("progress")
+        if not isinstance(progress, dict):
+            raise CheckpointError(
+                path,
+                "holds no training position (it was not written by Trainer.save_checkpoint); load it "
+                "with Engine.load, or start fit() without ckpt_path.",
+            )
+        self.position = Position(**{k: int(v) for k, v in progress.items()})
+        self._resume = {"rng": rest.get("rng"), "epoch_rng": rest.get("epoch_rng")}
+        topology = rest.get("topology")
+        if isinstance(topology, dict) and topology.get("world_size") != self.engine.world_size:
+            accumulate, message = continue_at_world_size(
+                self.position,
+                saved_world_size=int(topology["world_size"]),
+                saved_accumulate=int(topology.get("accumulate_grad_batches", 1)),
+                world_size=self.engine.world_size,
+            )
+            self.options = attrs.evolve(self.options, accumulate_grad_batches=accumulate)
+            self.print(message)
+        assert self.module is not None
+        self.module.on_load_checkpoint(dict(rest.get("extras") or {}))
+        if isinstance(rest.get("callbacks"), dict):
+            self._events.restore_states(self, str(path), rest["callbacks"])
+        self._last_saved_step = self.position.step
+        self.print(f"Resumed from {path} at step {self.position.step} (epoch {self.position.epoch}).")
+
+    def _save_periodic(self) -> None:
+        name = checkpoint_name(self.position.step, self.checkpoint_format)
+        if self.options.async_checkpoint:
+            directory, keep = self.checkpoint_dir, self.options.keep_last_k
+
+            def published() -> None:  # rank 0, in the background, once the checkpoint is published
+                publish_last(directory, name)
+                if keep is not None:
+                    prune(directory, keep=keep, protect=name)
+
+            self.save_checkpoint(
+                _store.join(directory, name),
+                blocking=False,
+                _on_published=published if self.engine.is_global_zero else None,
+            )
+            return
+        self.save_checkpoint(_store.join(self.checkpoint_dir, name))
+        if self.engine.is_global_zero:
+            publish_last(self.checkpoint_dir, name)
+            if self.options.keep_last_k is not None:
+                prune(self.checkpoint_dir, keep=self.options.keep_last_k, protect=name)

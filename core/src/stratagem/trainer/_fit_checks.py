@@ -1,0 +1,81 @@
+"""What ``Trainer.fit`` and ``validate`` check before anything launches: the model, the loaders, the checkpoint
+to resume from, what ``configure_optimizers`` returns, and that the process can re-run itself in workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.checkpoint import _atomic, _store
+from stratagem.errors import CheckpointError, ConfigurationError
+from stratagem.launchers import _rerun
+from stratagem.trainer._optimizers import parse_optimizers
+from stratagem.trainer.module import Module
+
+
+def check_model(model: Any, *, for_fit: bool) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationError(
+            f"The model is a {type(model).__name__}; give a stratagem.Module (a torch.nn.Module with "
+            "training_step and configure_optimizers)."
+        )
+    if not for_fit:
+        return
+    step = getattr(type(model), "training_step", None)
+    if step is None or step is Module.training_step:
+        raise ConfigurationError(
+            f"{type(model).__name__} has no training_step(batch, batch_idx). Define it to return the loss."
+        )
+    configure = getattr(type(model), "configure_optimizers", None)
+    if configure is None or configure is Module.configure_optimizers:
+        raise ConfigurationError(
+            f"{type(model).__name__} has no configure_optimizers(). Define it to return an optimizer, a "
+            "list of optimizers, or {'optimizer': opt, 'lr_scheduler': scheduler}."
+        )
+
+
+def check_loader(loader: Any, name: str) -> None:
+    if loader is None or not hasattr(loader, "__iter__"):
+        raise ConfigurationError(f"fit({name}={loader!r}): give an iterable of batches (a DataLoader).")
+
+
+def check_ckpt_path(ckpt_path: Any) -> None:
+    if ckpt_path is None or ckpt_path == "last":
+        return
+    target = _store.location(ckpt_path)
+    if isinstance(target, Path) and not target.exists() and not _atomic.old_sibling(target).exists():
+        raise CheckpointError(
+            target,
+            'does not exist. Pass an existing checkpoint, "last" (the newest under '
+            "default_root_dir, if any), or None to start fresh.",
+        )
+
+
+def check_optimizers_before_launch(model: Module) -> None:
+    """Catch a configure_optimizers that returns nothing before starting workers: build the model on the
+    meta device here (this process never trains) and look at what it returns."""
+    try:
+        with torch.device("meta"):
+            model.configure_model()
+        result = model.configure_optimizers()
+    except Exception:
+        return  # something only the workers can do; they check it for real
+    parse_optimizers(result, type(model).__name__)
+
+
+def check_relaunchable(devices: int) -> None:
+    """The Trainer's workers re-run the script: refuse where there is none to re-run."""
+    started = _rerun.how_started()
+    if started == "interactive":
+        raise ConfigurationError(
+            f"devices={devices} from an interactive session: the workers re-run the script, "
+            "and there is none. Run it as `python script.py`, or start it with torchrun or "
+            "`stratagem run --devices N script.py`; for a function, use Engine.launch(fn)."
+        )
+    if started == "pytest":
+        raise ConfigurationError(
+            f"devices={devices} inside pytest would re-run pytest in every worker. Run the "
+            "training in a script (python script.py) from the test, or use Engine.launch(fn)."
+        )

@@ -1,0 +1,604 @@
+"""``stratagem.Trainer``: the fit loop (accumulation, clipping, validation, logging, periodic checkpoints and
+exact resume) on top of one :class:`~stratagem.engine.Engine`, with its events sent to the callbacks and
+loggers it was given (see the Trainer events in :mod:`stratagem.hookspecs`)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
+from stratagem.engine.seed import capture_rng, restore_rng
+from stratagem.errors import ConfigurationError
+from stratagem.launchers import _restarts
+from stratagem.launchers import _spawn as launcher
+from stratagem.launchers._watchdog import collective_timeout
+from stratagem.registry._manager import TrainerEventHooks
+from stratagem.trainer import _events as _callbacks
+from stratagem.trainer import _fit_checks
+from stratagem.trainer._checkpoints import CheckpointingMixin
+from stratagem.trainer._metrics import MetricStore
+from stratagem.trainer._model_calls import loss_of, redirected_forward, to_device
+from stratagem.trainer._optimizers import Scheduler, parse_optimizers
+from stratagem.trainer._options import TrainerOptions
+from stratagem.trainer._progress import ProgressBar, format_metrics
+from stratagem.trainer._recovery import Recovery
+from stratagem.trainer._resume import Position, start_epoch
+from stratagem.trainer.module import Module
+
+__all__ = ["Trainer", "TrainerOptions"]
+
+
+class Trainer(CheckpointingMixin):
+    """Fit a :class:`~stratagem.Module` under a strategy chosen by name.
+
+    :param strategy: a registered name, ``"auto"`` or a ``Strategy`` instance (see :class:`~stratagem.Engine`).
+    :param accelerator: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+    :param devices: processes per node. With more than one and no launcher around, ``fit`` re-runs the script
+        in that many workers (torch's elastic agent); this process waits and exits with their status.
+    :param num_nodes: nodes (start one ``stratagem run`` or ``torchrun`` per node).
+    :param precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"`` (CUDA only).
+    :param max_steps: stop after this many optimizer steps.
+    :param max_epochs: stop after this many epochs (with neither limit: one epoch).
+    :param accumulate_grad_batches: batches per optimizer step; gradients are not synchronised on the others.
+    :param gradient_clip_val: clip the total gradient norm to this value.
+    :param val_check_interval: validate every this many optimizer steps (default: at the end of each epoch).
+    :param limit_val_batches: validate on at most this many batches.
+    :param checkpoint_every_n_steps: write ``default_root_dir/checkpoints/step-NNNNNN[.ckpt]`` this often, and
+        at the end of ``fit``; ``checkpoints/last`` names the newest complete one.
+    :param keep_last_k: keep only the newest k of those checkpoints.
+    :param checkpoint_format: ``"full"`` or ``"sharded"``; default: the strategy's.
+    :param default_root_dir: where ``metrics.csv`` and ``checkpoints/`` go.
+    :param seed: seed python, numpy and torch at the start of ``fit`` (and the distributed sampler's order).
+    :param log_every_n_steps: reduce the logged metrics across ranks and write them out this often.
+    :param enable_progress_bar: show the progress bar on rank 0.
+    :param use_distributed_sampler: give loaders a ``DistributedSampler`` unless they have a sampler of their own.
+    :param timeout: seconds a rank may go without progress: the hang watchdog then names the rank that did not
+        arrive and ends the run (or the attempt, with restarts); collectives time out somewhat later.
+    :param max_restarts: restart the workers this many times after a failure (a crash, a kill, a hang), resuming
+        from the newest complete checkpoint of the run (see docs/fault-tolerance.md).
+    :param checkpoint_every_n_minutes: also checkpoint on this wall-clock cadence (rank 0's clock decides).
+    :param restart_from_scratch: allow ``max_restarts`` without any checkpoint cadence (a restart then begins at
+        step 0); refused otherwise.
+    :param async_checkpoint: periodic checkpoints return once the state is copied off the training path and are
+        written in the background (one at a time; a failure is raised at the next save or at the end of ``fit``,
+        which waits for the last one). See docs/checkpoints.md.
+    :param launcher: how the workers start (see :class:`~stratagem.Engine`): ``"auto"``, a name, or an instance.
+    :param callbacks: objects whose methods implement Trainer events with ``@stratagem.hookimpl``
+        (:mod:`stratagem.callbacks` has ``EarlyStopping``, ``ModelCheckpoint``, ``LearningRateMonitor``,
+        ``Throughput``), or names registered by installed plugins. They run in the order given, on every rank.
+    :param loggers: names (``"csv"``, ``"tensorboard"``, ``"mlflow"``, ``"wandb"``) or instances (see
+        :mod:`stratagem.loggers`); default ``["csv"]`` (``metrics.csv`` under ``default_root_dir``); ``[]`` for
+        none. They write from global rank 0 only.
+    """
+
+    def __init__(
+        self,
+        *,
+        strategy: Any = "auto",
+        accelerator: str = "auto",
+        devices: int = 1,
+        num_nodes: int = 1,
+        precision: str | int = "32-true",
+        max_steps: int | None = None,
+        max_epochs: int | None = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        val_check_interval: int | None = None,
+        limit_val_batches: int | None = None,
+        checkpoint_every_n_steps: int | None = None,
+        keep_last_k: int | None = None,
+        checkpoint_format: str | None = None,
+        default_root_dir: str | os.PathLike[str] = "runs",
+        seed: int | None = None,
+        log_every_n_steps: int = 10,
+        enable_progress_bar: bool = True,
+        use_distributed_sampler: bool = True,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_restarts: int = 0,
+        checkpoint_every_n_minutes: float | None = None,
+        restart_from_scratch: bool = False,
+        launcher: Any = "auto",
+        callbacks: Any = None,
+        loggers: Any = None,
+        async_checkpoint: bool = False,
+    ) -> None:
+        self.options = TrainerOptions(
+            max_steps=max_steps,
+            max_epochs=max_epochs,
+            accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val,
+            val_check_interval=val_check_interval,
+            limit_val_batches=limit_val_batches,
+            checkpoint_every_n_steps=checkpoint_every_n_steps,
+            keep_last_k=keep_last_k,
+            checkpoint_format=checkpoint_format,
+            default_root_dir=default_root_dir,
+            seed=seed,
+            log_every_n_steps=log_every_n_steps,
+            enable_progress_bar=enable_progress_bar,
+            use_distributed_sampler=use_distributed_sampler,
+            max_restarts=max_restarts,
+            checkpoint_every_n_minutes=checkpoint_every_n_minutes,
+            restart_from_scratch=restart_from_scratch,
+            async_checkpoint=async_checkpoint,
+        )
+        self.engine = Engine(
+            strategy=strategy,
+            accelerator=accelerator,
+            devices=devices,
+            num_nodes=num_nodes,
+            precision=precision,
+            # Longer than the hang watchdog's `timeout`, so that the watchdog names the rank that hangs.
+            timeout=collective_timeout(timeout),
+            max_restarts=max_restarts,
+            launcher=launcher,
+        )
+        launcher_restarts = _restarts.max_restarts()
+        if launcher_restarts and not max_restarts:
+            # Restarts asked of the launcher (`stratagem run --max-restarts`, `torchrun --max-restarts`).
+            self.options.check_restarts_can_resume(f"--max-restarts {launcher_restarts} of the launcher")
+        self._recovery = Recovery(
+            self.engine,
+            timeout=timeout,
+            every_n_minutes=checkpoint_every_n_minutes,
+            max_restarts=max_restarts,
+        )
+        if checkpoint_format is not None:
+            caps = self.engine.capabilities
+            if caps is not None and checkpoint_format not in caps.checkpoint_formats:
+                raise ConfigurationError(
+                    f"Trainer(checkpoint_format={checkpoint_format!r}): strategy {self.engine.strategy.name!r} "
+                    f"writes {sorted(caps.checkpoint_formats)}."
+                )
+        self.position = Position()
+        #: The latest reduced metrics (training and validation).
+        self.logged_metrics: dict[str, float] = {}
+        self.module: Module | None = None
+        self.model: torch.nn.Module | None = None
+        self.optimizers: list[Any] = []
+        self.lr_schedulers: list[Scheduler] = []
+        self._train_metrics = MetricStore()
+        self._val_metrics = MetricStore()
+        self._in_validation = False
+        self._epoch_rng: dict[str, Any] | None = None
+        self._resume: dict[str, Any] | None = None
+        self._bar: ProgressBar | None = None
+        self._last_saved_step: int | None = None
+        # Names are resolved here, before anything launches: an unknown name or a missing extra fails now.
+        self.callbacks = _callbacks.resolve(callbacks, "callback")
+        self.loggers = _callbacks.resolve(loggers, "logger")
+        self._events = TrainerEventHooks(_callbacks.named(self.callbacks + self.loggers))
+        #: Set it (on any rank) to end ``fit``: the ranks agree after each validation, at each logging step
+        #: and at the end of each epoch, and stop at the same step.
+        self.should_stop = False
+        #: The checkpoint the current ``fit`` resumed from, if any.
+        self.ckpt_path: Path | None = None
+        self._logging = False
+        self._stepped = False
+
+    # properties ------------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> Any:
+        return self.engine.strategy
+
+    @property
+    def global_step(self) -> int:
+        return self.position.step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.position.epoch
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.engine.is_global_zero
+
+    @property
+    def default_root_dir(self) -> Path | str:
+        return self.options.default_root_dir
+
+    @property
+    def is_logging_step(self) -> bool:
+        """In ``on_train_batch_end``: whether this batch completed an optimizer step whose metrics are reduced
+        and written now (every ``log_every_n_steps``); values ``trainer.log`` records then are among them."""
+        return self._stepped and self.position.step % self.options.log_every_n_steps == 0
+
+    # public API ------------------------------------------------------------------------------------
+    def init_module(self, empty_init: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Build the model in here: on the device, in the parameter dtype, on the meta device with
+        ``empty_init`` where the strategy materialises it later.
+
+        In a process that will only launch the workers, the model is built on the meta device: it is never
+        trained here, and the workers build their own.
+        """
+        if self.engine.needs_launch:
+            return torch.device("meta")
+        return self.engine.init_module(empty_init=empty_init)
+
+    def fit(
+        self,
+        model: Module,
+        train_dataloaders: Any,
+        val_dataloaders: Any = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Train ``model``. ``ckpt_path``: ``None`` (start fresh), ``"last"`` (resume from the newest complete
+        checkpoint under ``default_root_dir``, or start fresh if there is none), or a checkpoint's path."""
+        _fit_checks.check_model(model, for_fit=True)
+        _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
+        if val_dataloaders is not None:
+            _fit_checks.check_loader(val_dataloaders, "val_dataloaders")
+        _fit_checks.check_ckpt_path(ckpt_path)
+        if self.engine.needs_launch:
+            _fit_checks.check_optimizers_before_launch(model)
+            self._launch()
+        self._setup(model, with_optimizers=True)
+        resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
+        if resume_from is not None:
+            self._load_for_resume(resume_from)
+        report = self._recovery.resumed(self.position.step)
+        if report is not None:
+            self.print(report)
+        train_loader = self._prepare_loader(train_dataloaders)
+        val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
+        self.ckpt_path = resume_from
+        self._fit_loop(train_loader, val_loader)
+
+    def validate(self, model: Module | None = None, dataloaders: Any = None) -> dict[str, float]:
+        """Run ``validation_step`` over ``dataloaders``; return the metrics, reduced across ranks."""
+        model = model if model is not None else self.module
+        if model is None or dataloaders is None:
+            raise ConfigurationError("validate() needs a model and dataloaders (or a model fitted before).")
+        _fit_checks.check_model(model, for_fit=False)
+        _fit_checks.check_loader(dataloaders, "dataloaders")
+        if self.engine.needs_launch:
+            self._launch()
+        self._setup(model, with_optimizers=False)
+        return self._run_validation(self._prepare_loader(dataloaders))
+
+    def log(self, name: str, value: Any, *, prog_bar: bool = False, reduce: str = "mean") -> None:
+        """Record a metric from a callback, like ``Module.log``: reduced across ranks (log it on every rank)
+        and written at the next logging step."""
+        self._log_metric(name, value, prog_bar=prog_bar, reduce=reduce)
+
+    def print(self, *args: Any) -> None:
+        """Print on rank 0 (above the progress bar while it runs); nothing in a process that only launches."""
+        if self.engine.needs_launch or not self.engine.is_global_zero:
+            return
+        message = " ".join(str(a) for a in args)
+        if self._bar is not None and self._bar.enabled:
+            self._bar.print(message)
+        else:
+            print(message, flush=True)
+
+    def _launch(self) -> None:
+        _fit_checks.check_relaunchable(self.engine.devices)
+        self.engine.supervise()
+
+    # set-up ----------------------------------------------------------------------------------------
+    def _setup(self, model: Module, *, with_optimizers: bool) -> None:
+        engine = self.engine
+        if self.module is not None and model is not self.module:
+            raise ConfigurationError("This Trainer already trains another model; make one Trainer per model.")
+        first = self.model is None
+        if first:
+            engine.setup_environment()
+            _register_teardown(engine)
+            if self.options.seed is not None:
+                engine.seed_everything(self.options.seed)
+            model.__dict__["_stratagem_trainer"] = self
+            self.module = model
+            if not model.__dict__.get("_stratagem_configured", False):
+                with engine.init_module(empty_init=False):
+                    model.configure_model()
+                model.__dict__["_stratagem_configured"] = True
+        elif self.options.seed is not None and with_optimizers:
+            engine.seed_everything(self.options.seed)
+        if with_optimizers and not self.optimizers:
+            if first:
+                optimizers, self.lr_schedulers = parse_optimizers(
+                    model.configure_optimizers(), type(model).__name__
+                )
+                self.model, *self.optimizers = engine.setup(model, *optimizers)
+            else:
+                # Set up by validate() before: optimizers over the wrapped model's parameters.
+                optimizers, self.lr_schedulers = parse_optimizers(
+                    model.configure_optimizers(), type(model).__name__
+                )
+                self.optimizers = engine.setup_optimizers(self.model, *optimizers)
+        elif first:
+            self.model = engine.setup_module(model)
+
+    def _prepare_loader(self, loader: Any) -> Any:
+        return self.engine.setup_dataloaders(
+            loader,
+            use_distributed_sampler=self.options.use_distributed_sampler,
+            seed=self.options.seed or 0,
+        )
+
+    # the loop --------------------------------------------------------------------------------------
+    def _fit_loop(self, loader: Any, val_loader: Any) -> None:
+        opts = self.options
+        max_epochs = opts.max_epochs if (opts.max_epochs or opts.max_steps) else 1
+        accumulate = opts.accumulate_grad_batches
+        length = _length(loader)
+        steps_per_epoch = None if length is None else math.ceil(length / accumulate)
+        total = opts.max_steps
+        if max_epochs is not None and steps_per_epoch is not None:
+            by_epochs = max_epochs * steps_per_epoch
+            total = by_epochs if total is None else min(total, by_epochs)
+        self._bar = ProgressBar(enabled=self.engine.is_global_zero and opts.enable_progress_bar)
+        self._bar.start(total=total, step=self.position.step)
+        assert self.model is not None
+        self.model.train()
+        recovery = self._recovery
+        recovery.start()
+        events = self._events
+        self.should_stop = False
+        try:
+            events.call("on_fit_start", trainer=self)
+            if self.engine.is_global_zero:
+                events.call("log_hyperparams", trainer=self, params=_callbacks.hyperparameters(self))
+            self._logging = True
+            self._epochs(loader, val_loader, max_epochs, length)
+            if self._train_metrics:
+                self._log_train_metrics()
+            periodic = (
+                opts.checkpoint_every_n_steps is not None or opts.checkpoint_every_n_minutes is not None
+            )
+            if periodic and self._last_saved_step != self.position.step:
+                self._save_periodic()
+            self.engine.wait_for_checkpoint()  # fit returns with every checkpoint written (or raises)
+            events.call("on_fit_end", trainer=self)
+        except Exception as error:
+            self._on_exception(error)
+            raise
+        finally:
+            recovery.stop()
+            self._bar.close()
+        summary = recovery.summary()
+        if summary is not None:
+            self.print(summary)
+        self.engine.barrier("fit-end")
+
+    def _on_exception(self, error: Exception) -> None:
+        try:
+            self._events.call("on_exception", trainer=self, exception=error)
+        except Exception as also:  # the original error is the one to report
+            print(
+                f"stratagem: on_exception of a callback raised {type(also).__name__}: {also}", file=sys.stderr
+            )
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank asked to stop (every rank calls this at the same points: it is a collective)."""
+        if self.engine.world_size > 1:
+            flag = torch.tensor([float(self.should_stop)], dtype=torch.float64, device=self.engine.device)
+            self.should_stop = bool(self.engine.all_reduce(flag, "max").item())
+        return self.should_stop
+
+    def _done(self, max_epochs: int | None) -> bool:
+        max_steps = self.options.max_steps
+        if max_steps is not None and self.position.step >= max_steps:
+            return True
+        return max_epochs is not None and self.position.epoch >= max_epochs
+
+    def _epochs(self, loader: Any, val_loader: Any, max_epochs: int | None, length: int | None) -> None:
+        position = self.position
+        while not self._done(max_epochs):
+            iterator = self._start_epoch(loader)
+            self._events.call("on_train_epoch_start", trainer=self, epoch=position.epoch)
+            for batch in iterator:
+                last_of_epoch = length is not None and position.batch_in_epoch + 1 == length
+                if self._train_batch(batch, last_of_epoch, val_loader):
+                    return
+            self._end_epoch(val_loader)
+            if self._stop_agreed():
+                return
+
+    def _start_epoch(self, loader: Any) -> Any:
+        resume, self._resume = self._resume, None
+        iterator, self._epoch_rng = start_epoch(loader, self.position, resume)
+        return iterator
+
+    def _end_epoch(self, val_loader: Any) -> None:
+        ended = self.position.epoch
+        for scheduler in self.lr_schedulers:
+            if scheduler.interval == "epoch" and (ended + 1) % scheduler.frequency == 0:
+                scheduler.scheduler.step()
+        # The position moves on before the epoch's validation, so that a checkpoint written there (a best-k
+        # one) resumes at the next epoch rather than replaying this epoch's end.
+        self.position.epoch += 1
+        self.position.batch_in_epoch = 0
+        self._epoch_rng = None
+        if val_loader is not None and self.options.val_check_interval is None:
+            self._run_validation(val_loader, epoch=ended)
+        self._events.call("on_train_epoch_end", trainer=self, epoch=ended)
+
+    def _train_batch(self, batch: Any, last_of_epoch: bool, val_loader: Any) -> bool:
+        """One batch; an optimizer step at the end of each accumulation. True when training is done."""
+        opts, position, engine = self.options, self.position, self.engine
+        batch_idx = position.batch_in_epoch
+        boundary = last_of_epoch or (batch_idx + 1) % opts.accumulate_grad_batches == 0
+        beat = self._recovery.beat
+        beat(position.step, batch_idx, "training_step")
+        if engine.device.type != "cpu":
+            batch = to_device(batch, engine.device)
+        events = self._events
+        events.call("on_train_batch_start", trainer=self, batch=batch, batch_idx=batch_idx)
+        with engine.no_sync(self.model, enabled=not boundary):
+            with engine.forward_context():
+                output = self._call("training_step", batch, batch_idx)
+            loss = loss_of(output)
+            beat(position.step, batch_idx, "backward")
+            engine.backward(
+                loss / opts.accumulate_grad_batches if opts.accumulate_grad_batches > 1 else loss, self.model
+            )
+        self._train_metrics.add("loss", loss.detach())
+        position.batch_in_epoch = batch_idx + 1
+        self._stepped = boundary
+        if not boundary:
+            events.call(
+                "on_train_batch_end",
+                trainer=self,
+                outputs=output,
+                batch=batch,
+                batch_idx=batch_idx,
+                step=position.step,
+            )
+            beat(position.step, batch_idx + 1, "data")
+            return False
+        beat(position.step, batch_idx, "optimizer_step")
+        self._optimizer_step()
+        position.step += 1
+        self._recovery.step_done(position.step)
+        events.call(
+            "on_train_batch_end",
+            trainer=self,
+            outputs=output,
+            batch=batch,
+            batch_idx=batch_idx,
+            step=position.step,
+        )
+        logging = position.step % opts.log_every_n_steps == 0
+        if logging:
+            beat(position.step, batch_idx, "logging")
+            self._log_train_metrics()
+        assert self._bar is not None
+        self._bar.update(position.step)
+        validating = bool(
+            val_loader is not None
+            and opts.val_check_interval
+            and position.step % opts.val_check_interval == 0
+        )
+        if validating:
+            self._run_validation(val_loader)
+        by_steps = opts.checkpoint_every_n_steps and position.step % opts.checkpoint_every_n_steps == 0
+        if self._recovery.save_due() or by_steps:
+            beat(position.step, batch_idx, "checkpoint")
+            self._save_periodic()
+        beat(position.step, batch_idx + 1, "data")
+        if (logging or validating) and self._stop_agreed():
+            return True
+        return opts.max_steps is not None and position.step >= opts.max_steps
+
+    def _optimizer_step(self) -> None:
+        clip = self.options.gradient_clip_val
+        for optimizer in self.optimizers:
+            self._events.call(
+                "on_before_optimizer_step", trainer=self, optimizer=optimizer, step=self.position.step
+            )
+            if clip is not None:
+                self.engine.clip_gradients(self.model, optimizer, clip)
+            optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        step = self.position.step + 1
+        for scheduler in self.lr_schedulers:
+            if scheduler.interval == "step" and step % scheduler.frequency == 0:
+                scheduler.scheduler.step()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        # Always through the wrapped model's __call__, also when the strategy wrapped in place (FSDP2, tensor
+        # parallel): their forward hooks gather the root's parameters, and calling the step on the module
+        # directly would skip them.
+        model, module = self.model, self.module
+        assert model is not None and module is not None
+        with redirected_forward(module, method):
+            return model(*args)
+
+    # metrics ---------------------------------------------------------------------------------------
+    def _log_metric(self, name: str, value: Any, *, prog_bar: bool, reduce: str) -> None:
+        store = self._val_metrics if self._in_validation else self._train_metrics
+        store.add(name, value, reduce=reduce, prog_bar=prog_bar)
+
+    def _log_train_metrics(self) -> None:
+        store = self._train_metrics
+        if self._recovery.counts_restarts:
+            store.add("restarts", self._recovery.restart_count, reduce="max", prog_bar=False)
+        shown = set(store.prog_bar)
+        values = store.reduce(self.engine)
+        self.logged_metrics.update(values)
+        self._write_metrics(values, self.position.epoch)
+        assert self._bar is not None
+        self._bar.set_metrics({k: v for k, v in values.items() if k in shown})
+
+    def _write_metrics(self, values: dict[str, float], epoch: int) -> None:
+        if self._logging and self.engine.is_global_zero:
+            self._events.call(
+                "log_metrics", trainer=self, metrics={"epoch": epoch, **values}, step=self.position.step
+            )
+
+    def _run_validation(self, loader: Any, epoch: int | None = None) -> dict[str, float]:
+        assert self.model is not None
+        limit = self.options.limit_val_batches
+        was_training = self.model.training
+        # Validation must not change the training's random stream (resume replays it exactly).
+        rng = capture_rng()
+        self._events.call("on_validation_start", trainer=self)
+        self.model.eval()
+        self._in_validation = True
+        try:
+            with torch.no_grad():
+                for batch_idx, batch in enumerate(loader):
+                    if limit is not None and batch_idx >= limit:
+                        break
+                    self._recovery.beat(self.position.step, self.position.batch_in_epoch, "validation")
+                    if self.engine.device.type != "cpu":
+                        batch = to_device(batch, self.engine.device)
+                    with self.engine.forward_context():
+                        self._call("validation_step", batch, batch_idx)
+            values = self._val_metrics.reduce(self.engine)
+        finally:
+            self._in_validation = False
+            self.model.train(was_training)
+            restore_rng(rng)
+        self.logged_metrics.update(values)
+        if values:
+            self._write_metrics(values, self.position.epoch if epoch is None else epoch)
+            self.print(f"validation at step {self.position.step}: {format_metrics(values)}")
+        self._events.call("on_validation_end", trainer=self, metrics=dict(values))
+        return values
+
+
+# -------------------------------------------------------------------------------------------------
+# helpers
+# -------------------------------------------------------------------------------------------------
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+_TEARDOWN_REGISTERED: set[int] = set()
+
+
+def _register_teardown(engine: Engine) -> None:
+    """Leave the process group when the script ends normally (the Trainer may be used after ``fit``).
+
+    Not after an uncaught exception: the barrier of the teardown would wait for peers that the launcher is
+    stopping anyway.
+    """
+    if id(engine) in _TEARDOWN_REGISTERED:
+        return
+    _TEARDOWN_REGISTERED.add(id(engine))
+    launcher.watch_uncaught()
+
+    def teardown() -> None:
+        if launcher.uncaught_exception():
+            return
+        # A peer that failed makes the barrier fail here too; the launcher reports that peer's error.
+        with contextlib.suppress(Exception):
+            engine.teardown()
+
+    atexit.register(teardown)
