@@ -42,7 +42,7 @@ def run_stratagem(model: str, steps: int, batch_size: int) -> dict[str, dict[str
     command = [
         sys.executable,
         "-m",
-        "stratagem.cli",
+        "stratagem",
         "compare",
         "--strategies",
         ",".join(KINDS),

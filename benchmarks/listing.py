@@ -28,7 +28,7 @@ def main() -> None:
 
     listing = json.loads(
         subprocess.run(
-            [python(), "-m", "stratagem.cli", "strategies", "--json"],
+            [python(), "-m", "stratagem", "strategies", "--json"],
             capture_output=True,
             text=True,
             check=True,
@@ -48,7 +48,7 @@ def main() -> None:
     ).stdout.strip()
 
     commands = {
-        "stratagem strategies": [python(), "-m", "stratagem.cli", "strategies"],
+        "stratagem strategies": [python(), "-m", "stratagem", "strategies"],
         "python -c 'import torch'": [python(), "-c", "import torch"],
     }
     if importlib.util.find_spec("lightning") is not None:

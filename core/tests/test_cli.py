@@ -11,7 +11,7 @@ import importlib_metadata
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "stratagem.cli", *args], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-m", "stratagem", *args], capture_output=True, text=True, timeout=60, env=env
     )
 
 

@@ -16,7 +16,7 @@ from stratagem.errors import ConfigurationError
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "stratagem.cli", "compare", *args],
+        [sys.executable, "-m", "stratagem", "compare", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

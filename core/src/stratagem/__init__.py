@@ -10,8 +10,6 @@ The packages, bottom layer first (``docs/architecture.md``): ``errors`` and ``ho
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import importlib
 import importlib.util
 import sys
@@ -31,6 +29,7 @@ from stratagem.errors import (
 )
 from stratagem.hookspecs import hookimpl, hookspec
 from stratagem.registry._lazy import lazy_getattr
+from stratagem.registry._version import __version__
 from stratagem.registry.capabilities import Capabilities
 from stratagem.strategies.wrapping import wrap
 

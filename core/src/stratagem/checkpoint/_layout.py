@@ -142,7 +142,7 @@ def unpack_per_rank(value: Any, rank: int) -> Any:
 
 
 def metadata(strategy: Any, fmt: str, parts: Parts, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    from stratagem import __version__
+    from stratagem.registry._version import __version__
 
     return {
         "format_version": FORMAT_VERSION,

@@ -131,7 +131,7 @@ def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path 
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from stratagem import __version__
+    from stratagem.registry._version import __version__
 
     source, output = _source(source), _store.location(output)
     if detect_format(source) != "sharded":

@@ -31,7 +31,7 @@ FRESH_SEED = 99
 
 
 def _clean_name(name: str) -> str:
-    from stratagem.engine import _clean_name as clean
+    from stratagem.engine._optimizer import _clean_name as clean
 
     return clean(name)
 

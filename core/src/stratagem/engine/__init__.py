@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from stratagem.engine._defaults import DEFAULT_LAUNCHER, DEFAULT_TIMEOUT_S, LAUNCHER_ENV, STRATEGY_ENV
 from stratagem.registry._lazy import lazy_getattr
 
 if TYPE_CHECKING:
@@ -12,11 +13,5 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_LAUNCHER", "DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "STRATEGY_ENV", "Engine"]
 
-#: ``stratagem run --strategy S`` sets this; it replaces ``strategy="auto"``.
-STRATEGY_ENV = "STRATAGEM_STRATEGY"
-#: Names the launcher for ``launcher="auto"`` (``stratagem run --launcher L`` sets it too).
-LAUNCHER_ENV = "STRATAGEM_LAUNCHER"
-DEFAULT_LAUNCHER = "elastic"
-DEFAULT_TIMEOUT_S = 1800.0
 
 __getattr__ = lazy_getattr(__name__, {"Engine": "stratagem.engine._engine"}, globals())

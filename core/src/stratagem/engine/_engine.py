@@ -5,17 +5,17 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, ContextManager
 
 import torch
 
-from stratagem.checkpoint import _atomic, _store
-from stratagem.engine import DEFAULT_LAUNCHER, DEFAULT_TIMEOUT_S, LAUNCHER_ENV, STRATEGY_ENV
+from stratagem.engine._checkpoints import Checkpoints
+from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
+from stratagem.engine._launching import Launching
+from stratagem.engine._optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer, _unwrap
 from stratagem.engine.seed import seed_everything
-from stratagem.errors import CapabilityError, CheckpointError, ConfigurationError, WorkerFailedError
-from stratagem.launchers import _rerun
+from stratagem.errors import ConfigurationError
 from stratagem.launchers import _spawn as agent
 from stratagem.launchers import cluster as cluster_mod
 from stratagem.registry._manager import StrategyHooks, get_registry, installed_plugins
@@ -23,71 +23,7 @@ from stratagem.strategies.base import Strategy
 from stratagem.strategies.precision import normalize
 
 
-def _default_format(strategy: Strategy) -> str:
-    return getattr(strategy, "checkpoint_format", "full")
-
-
-class StrategyOptimizer:
-    """The user's optimizer, stepped through the strategy (loss scaling, ZeRO, ...). Everything else
-    (``param_groups``, ``zero_grad``, ``state``) reaches the wrapped optimizer."""
-
-    def __init__(self, optimizer: Any, hooks: StrategyHooks, model: torch.nn.Module) -> None:
-        self.__dict__.update(optimizer=optimizer, _hooks=hooks, _model=model)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
-        if closure is not None:
-            closure()
-        self._hooks.optimizer_step(self.optimizer, self._model)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["optimizer"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self.optimizer, name, value)
-
-    def __repr__(self) -> str:
-        return f"StrategyOptimizer({self.optimizer!r})"
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return optimizer.optimizer if isinstance(optimizer, StrategyOptimizer) else optimizer
-
-
-def _strategy_objects(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` as the strategy knows it: the optimizers its ``setup_optimizers`` returned, not the Engine's
-    wrappers around them. Hooks never see an Engine class."""
-    return {key: _unwrap(value) for key, value in state.items()}
-
-
-_WRAPPER_NAMES = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-
-
-def _clean_name(name: str) -> str:
-    # Wrappers add path components to parameter names; drop them to match a parameter before and after
-    # wrapping. Whole components only: "_checkpoint_wrapped_module." or "submodule." must not lose "module.".
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
-
-
-def _rebind_optimizer(optimizer: Any, names: dict[int, str], model: torch.nn.Module) -> None:
-    """Point an optimizer built before wrapping at the wrapped model's parameters (FSDP replaces them)."""
-    current = {_clean_name(n): p for n, p in model.named_parameters()}
-    for group in optimizer.param_groups:
-        rebound = []
-        for param in group["params"]:
-            name = names.get(id(param))
-            if name is None or name not in current:
-                raise ConfigurationError(
-                    "An optimizer passed to Engine.setup() holds a parameter that is not in the model. Build the "
-                    "optimizer over model.parameters(), or call setup_module() first and build it afterwards."
-                )
-            rebound.append(current[name])
-        group["params"] = rebound
-
-
-class Engine:
+class Engine(Launching, Checkpoints):
     """Run a training loop under a strategy chosen by name.
 
     :param strategy: a registered name (``"ddp"``, ``"fsdp"``, ...), ``"auto"``, or a ``Strategy`` instance.
@@ -253,123 +189,6 @@ class Engine:
         )
         return None if info is None else info.capabilities
 
-    # launching -------------------------------------------------------------------------------------
-    def _resolve_launcher(self, launcher: Any) -> Any:
-        from stratagem.launchers.base import Launcher
-
-        registry = get_registry()
-        if isinstance(launcher, Launcher):
-            name = launcher.registered_name
-            if name is not None and name in registry.launchers:
-                registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
-            return launcher
-        if not isinstance(launcher, str):
-            raise ConfigurationError(f"launcher={launcher!r}: give a registered name or a Launcher instance.")
-        name = os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER if launcher == "auto" else launcher
-        info = registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
-        return info.create()
-
-    def _launcher_starts_all_nodes(self) -> bool:
-        name = getattr(self._launcher, "registered_name", None)
-        registry = get_registry()
-        return name in registry.launchers and registry.launchers[name].capabilities.starts_all_nodes
-
-    def _run_job(self, job: Any) -> dict[int, Any]:
-        from stratagem.registry._manager import LauncherHooks
-
-        return LauncherHooks(self._launcher).launch_workers(job)
-
-    def _job(self, kind: str, **fields: Any) -> Any:
-        from stratagem.launchers import LaunchJob
-
-        return LaunchJob(
-            kind=kind,
-            nproc_per_node=self.devices,
-            nnodes=self.num_nodes,
-            accelerator=self.accelerator,
-            env=agent.worker_environment(self.accelerator, fields.pop("env", None), self.devices),
-            max_restarts=self.max_restarts,
-            **fields,
-        )
-
-    def supervise(self) -> None:
-        """Re-run this very command in the workers, then end this process with their status (it only
-        supervises: the rest of the script ran in the workers)."""
-        try:
-            self._run_job(self._job("script", command=agent.current_command()))
-        except WorkerFailedError as error:
-            raise SystemExit(f"stratagem: {error}") from None
-        raise SystemExit(0)
-
-    @property
-    def needs_launch(self) -> bool:
-        """True in the process the user started when more than one process is wanted and none exist yet."""
-        return self._source is None and self.world_size_requested > 1
-
-    def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
-        """Run ``fn(engine, *args)`` in every process and return rank 0's result.
-
-        With nothing launched yet and ``devices > 1``, starts the workers with torch's elastic agent. A
-        function that pickles (defined at module level) is sent to them with its arguments. Any other callable
-        (a lambda, a closure, a ``functools.partial`` of a local) works from a script: the workers run the
-        script again and call ``fn`` when they reach this ``launch``, so the script must reach its ``launch``
-        calls in the same order on every run. Either way the workers end after ``fn``, and this process
-        continues with rank 0's result. Under torchrun, SLURM or ``stratagem run`` the processes exist already
-        and ``fn`` runs here. Without ``fn``, the script itself is re-run in the workers and this process exits
-        with their status when they are done.
-        """
-        if self.needs_launch:
-            if self.num_nodes > 1 and not self._launcher_starts_all_nodes():
-                raise ConfigurationError(
-                    "num_nodes > 1: start one launcher per node with torchrun or "
-                    "`stratagem run --nnodes N --node-rank R --rdzv-endpoint host:port script.py`."
-                )
-            if fn is None:
-                self.supervise()
-            return self._launch_function(fn, args)
-        target = _rerun.target_call()
-        if fn is not None and target is not None:
-            return self._run_relaunched_call(target, fn, args)
-        self.setup_environment()
-        return None if fn is None else fn(self, *args)
-
-    def _launch_function(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        call = _rerun.next_call()
-        problem = _rerun.why_not_spawnable(fn, (self._config, args))
-        if problem is None:
-            result = self._run_job(
-                self._job("function", function=_worker_main, args=(self._config, fn, args))
-            ).get(0)
-        else:
-            started = _rerun.how_started()
-            if started != "script":
-                where = "pytest would re-run the test session" if started == "pytest" else "none is running"
-                raise ConfigurationError(
-                    f"Engine.launch({getattr(fn, '__qualname__', fn)!r}): the function cannot be sent to worker "
-                    f"processes ({problem}), and there is no script for them to re-run ({where}). Define the "
-                    "function at module level of an importable module and pass its arguments to launch(), or run "
-                    "this code as a script (python script.py)."
-                )
-            result = _rerun.run_script_for(
-                call,
-                lambda env: self._run_job(self._job("script", command=agent.current_command(), env=env)),
-            )
-        _rerun.record(result)
-        return result
-
-    def _run_relaunched_call(self, target: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """In a worker that re-runs the script for launch call ``target``: pass earlier calls, run this one."""
-        call = _rerun.next_call()
-        if call < target:
-            return _rerun.replayed_result(call)
-        self.setup_environment()
-        result = fn(self, *args)
-        if self.rank == 0:
-            _rerun.send_result(result, call)
-        self.teardown()
-        # The rest of the script is the launching process's to run.
-        raise SystemExit(0)
-
     def setup_environment(self) -> None:
         """Join the process group and select the device (done on first use otherwise)."""
         if self._environment_ready:
@@ -516,79 +335,6 @@ class Engine:
             return contextlib.nullcontext()
         return self._hooks.no_sync(self._model_for(model))
 
-    # checkpoints -----------------------------------------------------------------------------------
-    def save(
-        self,
-        path: str | os.PathLike[str],
-        state: dict[str, Any],
-        format: str | None = None,
-        *,
-        blocking: bool = True,
-        _on_published: Callable[[], None] | None = None,
-    ) -> None:
-        """Save ``state`` from every rank (``format``: ``full`` or ``sharded``; default: the strategy's).
-
-        ``path``: a local path or an object-store URL (``s3://``, ``gs://``, ``az://``, ``memory://``; see
-        docs/checkpoints.md). ``blocking=False`` returns before the state is written, and what is written is the
-        state at the call: parameters and optimizer state are copied in the background while the next forward
-        and backward run (every optimizer's ``step`` waits for that copy), the rest before returning (sharded:
-        ``torch.distributed.checkpoint.async_save``; full: rank 0 writes in a background thread). At
-        most one save is in flight: the next save, a load, :meth:`wait_for_checkpoint` or :meth:`teardown` waits
-        for it and raises its failure, naming the path, on every rank.
-        """
-        self.setup_environment()
-        _store.location(path)  # an unknown URL scheme fails here, on every rank, before any collective
-        self.wait_for_checkpoint()
-        fmt = format or _default_format(self.strategy)
-        caps = self.capabilities
-        if caps is not None and fmt not in caps.checkpoint_formats:
-            alternatives = [i.name for i in get_registry() if fmt in i.capabilities.checkpoint_formats]
-            raise CapabilityError(self.strategy.name, "checkpoint format", fmt, alternatives)
-        own_layout = type(self.strategy).save_checkpoint is not Strategy.save_checkpoint
-        if blocking or own_layout:
-            if not blocking:
-                warnings.warn(
-                    f"strategy {self.strategy.name!r} writes checkpoints its own way; saving synchronously.",
-                    stacklevel=2,
-                )
-            self._hooks.save_checkpoint(os.fspath(path), _strategy_objects(state), fmt)
-            if _on_published is not None:
-                _on_published()
-            return
-        from stratagem.checkpoint import _io
-
-        self._pending_save = _io.save(
-            self.strategy,
-            os.fspath(path),
-            _strategy_objects(state),
-            fmt,
-            blocking=False,
-            on_published=_on_published,
-        )
-
-    def checkpoint_in_flight(self) -> bool:
-        """True while this rank's part of a ``blocking=False`` save is still being written."""
-        return self._pending_save is not None and not self._pending_save.done()
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait for the save in flight (``blocking=False``), on every rank; raise its failure with the path."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            from stratagem.checkpoint import _io
-
-            _io.finish(self.strategy, pending)
-
-    def load(
-        self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool = True
-    ) -> dict[str, Any]:
-        """Fill ``state``'s modules, optimizers and stateful objects in place; return the other saved entries."""
-        self.setup_environment()
-        self.wait_for_checkpoint()
-        target = _store.location(path)
-        if isinstance(target, Path) and not target.exists() and not _atomic.old_sibling(target).exists():
-            raise CheckpointError(target, "does not exist. Pass the path of a checkpoint file or directory.")
-        return self._hooks.load_checkpoint(os.fspath(path), _strategy_objects(state), strict)
-
     # collectives -----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
         self.setup_environment()
@@ -627,12 +373,3 @@ class Engine:
             _io.release_async_resources(self.strategy)
             self._hooks.teardown()
             self._environment_ready = False
-
-
-def _worker_main(config: dict[str, Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    engine = Engine(**config)
-    engine.setup_environment()
-    # No teardown on error: its barrier would wait for peers that the agent is about to stop anyway.
-    result = fn(engine, *args)
-    engine.teardown()
-    return result

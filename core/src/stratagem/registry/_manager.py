@@ -134,7 +134,7 @@ def discover(environ: Mapping[str, str] | None = None) -> tuple[Registry, list[t
 
 
 def _own_version() -> str:
-    from stratagem import __version__
+    from stratagem.registry._version import __version__
 
     return __version__
 

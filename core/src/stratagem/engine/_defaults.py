@@ -1,0 +1,9 @@
+"""What an Engine uses when its arguments say ``"auto"`` or nothing: the environment variables ``stratagem run``
+sets, and the defaults."""
+
+#: ``stratagem run --strategy S`` sets this; it replaces ``strategy="auto"``.
+STRATEGY_ENV = "STRATAGEM_STRATEGY"
+#: Names the launcher for ``launcher="auto"`` (``stratagem run --launcher L`` sets it too).
+LAUNCHER_ENV = "STRATAGEM_LAUNCHER"
+DEFAULT_LAUNCHER = "elastic"
+DEFAULT_TIMEOUT_S = 1800.0
