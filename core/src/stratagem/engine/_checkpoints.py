@@ -73,9 +73,9 @@ class Checkpoints:
             if _on_published is not None:
                 _on_published()
             return
-        from stratagem.checkpoint import _io
+        from stratagem.checkpoint import _save
 
-        self._pending_save = _io.save(
+        self._pending_save = _save.save(
             self.strategy,
             os.fspath(path),
             _strategy_objects(state),
@@ -92,9 +92,9 @@ class Checkpoints:
         """Wait for the save in flight (``blocking=False``), on every rank; raise its failure with the path."""
         pending, self._pending_save = self._pending_save, None
         if pending is not None:
-            from stratagem.checkpoint import _io
+            from stratagem.checkpoint import _async
 
-            _io.finish(self.strategy, pending)
+            _async.finish(self.strategy, pending)
 
     def load(
         self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool = True

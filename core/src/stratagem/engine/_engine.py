@@ -368,8 +368,8 @@ class Engine(Launching, Checkpoints):
         """Leave the process group. Call once at the end; the engine cannot be used after."""
         if self._environment_ready:
             self.wait_for_checkpoint()
-            from stratagem.checkpoint import _io
+            from stratagem.checkpoint import _async
 
-            _io.release_async_resources(self.strategy)
+            _async.release_async_resources(self.strategy)
             self._hooks.teardown()
             self._environment_ready = False

@@ -132,15 +132,15 @@ class Strategy(HookObject):
     # checkpoint ------------------------------------------------------------------------------------
     @hookimpl
     def save_checkpoint(self, path: str, state: dict[str, Any], format: str) -> None:
-        from stratagem.checkpoint import _io
+        from stratagem.checkpoint import _save
 
-        _io.save(self, path, state, format)
+        _save.save(self, path, state, format)
 
     @hookimpl
     def load_checkpoint(self, path: str, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-        from stratagem.checkpoint import _io
+        from stratagem.checkpoint import _load
 
-        return _io.load(self, path, state, strict)
+        return _load.load(self, path, state, strict)
 
     def module_state_dict(self, module: torch.nn.Module, *, full: bool) -> dict[str, Any]:
         """The module's state: gathered plain tensors on rank 0 (``full``; other ranks may return ``{}``),

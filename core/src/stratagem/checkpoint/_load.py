@@ -1,0 +1,278 @@
+"""Loading a checkpoint for any strategy, full or sharded, local or on an object store, never running pickled
+code: keys and shapes are checked against the model (``strict``), and the strategy converts the saved state
+into its own. Every function here runs on every rank."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.checkpoint import _atomic, _dcp, _store
+from stratagem.checkpoint._layout import (
+    STATE_FILE,
+    Parts,
+    check_metadata,
+    classify,
+    describe_mismatch,
+    detect_format,
+    mismatch_message,
+    owner_of,
+    read_json_metadata,
+    sharded_data,
+    unpack_per_rank,
+)
+from stratagem.checkpoint._ranks import _distributed, _single_process_quiet
+from stratagem.errors import CheckpointError
+
+
+def read_full(path: Path | str) -> dict[str, Any]:
+    """Read a full checkpoint file (or store object) without running any pickled code."""
+    try:
+        if isinstance(path, str):
+            import io
+
+            payload = torch.load(io.BytesIO(_store.read_bytes(path)), map_location="cpu", weights_only=True)
+        else:
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        raise CheckpointError(
+            path, f"cannot be read as a stratagem checkpoint (truncated, corrupt, or not one): {error}"
+        ) from error
+    if not isinstance(payload, dict):
+        raise CheckpointError(path, "holds no stratagem checkpoint (the top level is not a dict).")
+    check_metadata(payload.get("stratagem"), path)
+    return payload
+
+
+def load(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+    target = _store.location(path)
+    source = target if isinstance(target, str) else _atomic.recover(target)
+    fmt = detect_format(source)
+    parts = classify(state)
+    if fmt == "full":
+        return _load_full(strategy, source, parts, strict)
+    return _load_sharded(strategy, source, parts, strict)
+
+
+def _expected_shapes(strategy: Any, module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    # A DTensor's shape is the global one, so the sharded state dict gives full shapes without gathering.
+    return {
+        k: tuple(v.shape)
+        for k, v in strategy.module_state_dict(module, full=False).items()
+        if hasattr(v, "shape")
+    }
+
+
+def _reconcile(
+    strategy: Any,
+    key: str,
+    module: torch.nn.Module,
+    saved: dict[str, tuple[int, ...]],
+    strict: bool,
+    path: Path,
+) -> set[str]:
+    """Check saved keys and shapes against the model; return the saved keys to drop (``strict=False``)."""
+    missing, unexpected, mismatched = describe_mismatch(_expected_shapes(strategy, module), saved)
+    if not (missing or unexpected or mismatched):
+        return set()
+    message = mismatch_message(key, missing, unexpected, mismatched)
+    if strict:
+        raise CheckpointError(path, message)
+    if strategy.is_global_zero:
+        warnings.warn(
+            f"Checkpoint {path}: loaded what fits; {message.splitlines()[0]}\n"
+            + "\n".join(message.splitlines()[1:-1]),
+            stacklevel=4,
+        )
+    return set(unexpected) | {name for name, _, _ in mismatched}
+
+
+def _restore_plain(
+    strategy: Any, parts: Parts, saved_state: dict[str, Any], strict: bool, path: Path
+) -> dict[str, Any]:
+    for key, obj in parts.stateful.items():
+        if key not in saved_state:
+            if strict:
+                raise CheckpointError(
+                    path, f"has no state for {key!r}; pass strict=False to keep its current state."
+                )
+            continue
+        _apply(path, f"the state of {key!r}", obj.load_state_dict, saved_state[key])
+    return {
+        key: unpack_per_rank(value, strategy.rank)
+        for key, value in saved_state.items()
+        if key not in parts.stateful
+    }
+
+
+def _apply(path: Path, what: str, function: Any, *args: Any, **kwargs: Any) -> None:
+    """Run a strategy's conversion, turning its failure into a CheckpointError that says what failed."""
+    try:
+        function(*args, **kwargs)
+    except CheckpointError:
+        raise
+    except Exception as error:
+        raise CheckpointError(path, f"could not load {what}: {type(error).__name__}: {error}") from error
+
+
+def _fitting_optimizer_state(
+    strategy: Any, owner: Any, optimizer: Any, saved: dict[str, Any], dropped: set[str], full: bool
+) -> dict[str, Any]:
+    """With ``strict=False``: the saved optimizer state, except that parameters whose saved state does not
+    fit (dropped from the model's load) or is missing keep the optimizer's current state."""
+    current = strategy.optimizer_state_dict(owner, optimizer, full=full)
+    if not isinstance(saved.get("state"), dict) or not isinstance(current.get("state"), dict):
+        return saved
+    state = {k: v for k, v in saved["state"].items() if k not in dropped and k in current["state"]}
+    for name, value in current["state"].items():
+        state.setdefault(name, value)
+    groups = current.get("param_groups", [])
+    if len(saved.get("param_groups", [])) == len(groups):
+        # The current groups' keys (a scheduler adds some), the saved values where the checkpoint has them.
+        groups = [
+            {**c, **{k: v for k, v in s.items() if k in c and k != "params"}}
+            for s, c in zip(saved["param_groups"], groups)
+        ]
+    return {**saved, "state": state, "param_groups": groups}
+
+
+def _load_full(strategy: Any, path: Path | str, parts: Parts, strict: bool) -> dict[str, Any]:
+    payload = read_full(path)
+    models, optimizers = payload.get("model", {}), payload.get("optimizers", {})
+    dropped: dict[int, set[str]] = {}
+    for key, module in parts.modules.items():
+        if key not in models:
+            if strict:
+                raise CheckpointError(path, f"has no module {key!r}; it holds {sorted(models)}.")
+            warnings.warn(f"Checkpoint {path}: has no module {key!r}; it keeps its weights.", stacklevel=3)
+            continue
+        saved = dict(models[key])
+        drop = _reconcile(strategy, key, module, {k: tuple(v.shape) for k, v in saved.items()}, strict, path)
+        dropped[id(module)] = drop
+        for name in drop:
+            saved.pop(name, None)
+        _apply(
+            path, f"module {key!r}", strategy.load_module_state_dict, module, saved, full=True, strict=strict
+        )
+    for key, optimizer in parts.optimizers.items():
+        if key not in optimizers:
+            if strict:
+                raise CheckpointError(path, f"has no optimizer {key!r}; it holds {sorted(optimizers)}.")
+            continue
+        owner = owner_of(optimizer, parts.modules)
+        osd = optimizers[key]
+        if not strict:
+            osd = _fitting_optimizer_state(
+                strategy, owner, optimizer, osd, dropped.get(id(owner), set()), True
+            )
+        _apply(
+            path, f"optimizer {key!r}", strategy.load_optimizer_state_dict, owner, optimizer, osd, full=True
+        )
+    return _restore_plain(strategy, parts, payload.get("state", {}), strict, path)
+
+
+def saved_tensor_shapes(path: Path | str) -> dict[str, tuple[int, ...]]:
+    """Flattened key -> global shape of every tensor in a DCP directory, from its index alone."""
+    return _dcp.tensor_shapes(_dcp.read_metadata(path))
+
+
+def read_sharded_state(path: Path | str) -> dict[str, Any]:
+    """The plain state (``state.pt``) of a sharded checkpoint, read without running pickled code.
+
+    ``path``: the directory holding the DCP files (on a store, the data prefix the manifest names)."""
+    try:
+        if isinstance(path, str):
+            import io
+
+            try:
+                raw = _store.read_bytes(_store.join(path, STATE_FILE))
+            except FileNotFoundError:
+                return {}
+            saved = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        else:
+            state_file = path / STATE_FILE
+            if not state_file.exists():
+                return {}
+            saved = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            path, f"{STATE_FILE} is unreadable or holds more than plain data (refused): {error}"
+        ) from error
+    if not isinstance(saved, dict):
+        raise CheckpointError(path, f"{STATE_FILE} holds a {type(saved).__name__}, not a dict.")
+    return saved
+
+
+def _load_sharded(strategy: Any, path: Path | str, parts: Parts, strict: bool) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    data = sharded_data(path, read_json_metadata(path))
+    shapes = saved_tensor_shapes(data)
+    target: dict[str, Any] = {"model": {}, "optimizers": {}}
+    dropped: dict[int, set[str]] = {}
+    kept: dict[str, dict[str, Any]] = {}
+    for key, module in parts.modules.items():
+        prefix = f"model.{key}."
+        saved = {k[len(prefix) :]: v for k, v in shapes.items() if k.startswith(prefix)}
+        if not saved:
+            if strict:
+                raise CheckpointError(path, f"has no module {key!r}.")
+            warnings.warn(f"Checkpoint {path}: has no module {key!r}; it keeps its weights.", stacklevel=3)
+            continue
+        drop = _reconcile(strategy, key, module, saved, strict, path)
+        dropped[id(module)] = drop
+        sd = strategy.module_state_dict(module, full=False)
+        target["model"][key] = {k: v for k, v in sd.items() if k not in drop and k in saved}
+    for key, optimizer in parts.optimizers.items():
+        if not any(k.startswith(f"optimizers.{key}.") for k in shapes):
+            if strict:
+                raise CheckpointError(path, f"has no optimizer {key!r}.")
+            continue
+        owner = owner_of(optimizer, parts.modules)
+        osd = strategy.optimizer_state_dict(owner, optimizer, full=False)
+        drop = dropped.get(id(owner), set())
+        if drop and isinstance(osd.get("state"), dict):
+            # Read the saved state only of parameters that fit; the others keep their current state.
+            kept[key] = {k: v for k, v in osd["state"].items() if k in drop}
+            osd = {**osd, "state": {k: v for k, v in osd["state"].items() if k not in drop}}
+        target["optimizers"][key] = osd
+    try:
+        with _single_process_quiet():
+            dcp.load(
+                target,
+                storage_reader=_dcp.safe_reader(data),
+                planner=_dcp.safe_load_planner(allow_partial_load=not strict),
+                no_dist=not _distributed(),
+            )
+    except CheckpointError as error:
+        raise CheckpointError(path, error.problem) from error
+    except _dcp.ERRORS as error:
+        raise CheckpointError(path, f"could not be read: {_dcp.describe(error)}") from error
+    for key, module in parts.modules.items():
+        if key in target["model"]:
+            _apply(
+                path,
+                f"module {key!r}",
+                strategy.load_module_state_dict,
+                module,
+                target["model"][key],
+                full=False,
+                strict=strict,
+            )
+    for key, state in kept.items():
+        target["optimizers"][key]["state"].update(state)
+    for key, optimizer in parts.optimizers.items():
+        if key in target["optimizers"]:
+            _apply(
+                path,
+                f"optimizer {key!r}",
+                strategy.load_optimizer_state_dict,
+                owner_of(optimizer, parts.modules),
+                optimizer,
+                target["optimizers"][key],
+                full=False,
+            )
+    return _restore_plain(strategy, parts, read_sharded_state(data), strict, path)
