@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from stratagem import _callbacks, _fit_checks, _restarts, launcher
+from stratagem._batch_rule import loader_batch_size
 from stratagem._logging import MetricStore
 from stratagem._manager import TrainerEventHooks
 from stratagem._model_calls import loss_of, redirected_forward, to_device
@@ -67,6 +68,9 @@ class Trainer(CheckpointingMixin):
     :param async_checkpoint: periodic checkpoints return once the state is copied off the training path and are
         written in the background (one at a time; a failure is raised at the next save or at the end of ``fit``,
         which waits for the last one). See docs/checkpoints.md.
+    :param keep_global_batch: when resuming a checkpoint at another world size or per-process batch, change
+        ``accumulate_grad_batches`` so that an optimizer step takes as many samples as in the run that wrote it,
+        where a whole number of batches does; ``False`` keeps the script's setting. See docs/fault-tolerance.md.
     :param launcher: how the workers start (see :class:`~stratagem.Engine`): ``"auto"``, a name, or an instance.
     :param callbacks: objects whose methods implement Trainer events with ``@stratagem.hookimpl``
         (:mod:`stratagem.callbacks` has ``EarlyStopping``, ``ModelCheckpoint``, ``LearningRateMonitor``,
@@ -106,6 +110,7 @@ class Trainer(CheckpointingMixin):
         callbacks: Any = None,
         loggers: Any = None,
         async_checkpoint: bool = False,
+        keep_global_batch: bool = True,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -126,6 +131,7 @@ class Trainer(CheckpointingMixin):
             checkpoint_every_n_minutes=checkpoint_every_n_minutes,
             restart_from_scratch=restart_from_scratch,
             async_checkpoint=async_checkpoint,
+            keep_global_batch=keep_global_batch,
         )
         self.engine = Engine(
             strategy=strategy,
@@ -238,6 +244,7 @@ class Trainer(CheckpointingMixin):
             _fit_checks.check_optimizers_before_launch(model)
             self._launch()
         self._setup(model, with_optimizers=True)
+        self._batch_size = loader_batch_size(train_dataloaders)
         resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
             self._load_for_resume(resume_from)
