@@ -85,7 +85,7 @@ def test_what_cannot_be_restored_or_told_keeps_the_scripts_settings_and_says_so(
     ):
         accumulate, message, position = _decide(saved, run, 5)
         assert (accumulate, position) == (1, 10), (saved, run)
-        assert "has no fixed batch size, so the samples per step cannot be compared" in message
+        assert "no fixed batch size, so the samples per step cannot be compared" in message
     accumulate, message, position = _decide(_saved(None, 2, 1), Consumption(None, 3, 1), 5)
     assert (accumulate, position) == (
         1,
@@ -96,7 +96,11 @@ def test_what_cannot_be_restored_or_told_keeps_the_scripts_settings_and_says_so(
 def test_keep_global_batch_false_keeps_the_scripts_accumulation() -> None:
     accumulate, message, position = _decide(_saved(4, 2, 1), Consumption(4, 1, 1), 5, keep_global_batch=False)
     assert (accumulate, position) == (1, 10)
-    assert "keep_global_batch=False" in message and "the checkpoint's run: 4 x 2 process(es)" in message
+    assert (
+        "keep_global_batch=False" in message
+        and "a step takes 4 samples (4 x 1 process(es) x 1 accumulated) where the checkpoint's run took 8"
+        in message
+    )
     old = {"world_size": 2, "accumulate_grad_batches": 1}
     accumulate, message, position = _decide(old, Consumption(4, 1, 1), 5, keep_global_batch=False)
     assert (accumulate, position) == (1, 10) and "keep_global_batch=False" in message

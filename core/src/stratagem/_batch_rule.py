@@ -52,9 +52,8 @@ class Consumption:
         }
 
     def describe(self) -> str:
-        batch = "?" if self.batch_size is None else str(self.batch_size)
-        total = "" if self.samples_per_step is None else f" = {self.samples_per_step}"
-        return f"{batch} x {self.world_size} process(es) x {self.accumulate} accumulated{total}"
+        batch = "no fixed size" if self.batch_size is None else str(self.batch_size)
+        return f"{batch} x {self.world_size} process(es) x {self.accumulate} accumulated"
 
 
 def continue_with(
@@ -68,60 +67,80 @@ def continue_with(
     if not isinstance(saved, Mapping) or "world_size" not in saved:
         return run.accumulate, None
     world_size, accumulate = int(saved["world_size"]), int(saved.get("accumulate_grad_batches", 1))
-    if "batch_size" not in saved:  # written before checkpoints recorded the per-process batch
-        if world_size == run.world_size:
-            return run.accumulate, None
-        if keep_global_batch:
-            return continue_at_world_size(
-                position, saved_world_size=world_size, saved_accumulate=accumulate, world_size=run.world_size
-            )
-        before = Consumption(None, world_size, accumulate)
-        again = _follow_samples(position, before, run)
-        return run.accumulate, (
-            f"stratagem: world size changed from {world_size} to {run.world_size}: keep_global_batch=False, so "
-            f"accumulate_grad_batches={run.accumulate} is kept{again}."
-        )
+    if "batch_size" not in saved:
+        return _without_batch_size(position, world_size, accumulate, run, keep_global_batch)
     size = saved["batch_size"]
     before = Consumption(None if size is None else int(size), world_size, accumulate)
     if (before.batch_size, before.world_size) == (run.batch_size, run.world_size):
-        if before.accumulate == run.accumulate:
-            return run.accumulate, None
-        # Nothing about the processes changed: a different accumulation is the script's own choice.
-        return run.accumulate, (
-            f"stratagem: accumulate_grad_batches {before.accumulate} -> {run.accumulate}, as the script asks: "
-            f"now {run.describe()} samples per step (the checkpoint's run: {before.describe()})."
-        )
+        return run.accumulate, _same_processes(before, run)
     again = _follow_samples(position, before, run)
-    head = _what_changed(before, run)
+    accumulate, decision = _decide(before, run, keep_global_batch)
+    return accumulate, f"stratagem: {_what_changed(before, run)}: {decision}{again}."
+
+
+def _decide(before: Consumption, run: Consumption, keep_global_batch: bool) -> tuple[int, str]:
+    """The accumulation for a run on other processes or batches, and what to say about it."""
+    kept = f"accumulate_grad_batches={run.accumulate} is kept"
     if before.batch_size is None or run.batch_size is None:
-        which = "this run's train loader" if run.batch_size is None else "the checkpoint's run"
+        which = ["the checkpoint's run"] if before.batch_size is None else []
+        which += ["this run's train loader"] if run.batch_size is None else []
+        has = "have" if len(which) > 1 else "has"
         return run.accumulate, (
-            f"stratagem: {head}: {which} has no fixed batch size, so the samples per step cannot be compared: "
-            f"accumulate_grad_batches={run.accumulate} is kept (position counted in batches){again}."
+            f"{' and '.join(which)} {has} no fixed batch size, so the samples per step cannot be compared: "
+            f"{kept} (position counted in batches)"
         )
     target, per_batch = before.samples_per_step, run.batch_size * run.world_size
     assert target is not None
-    if target == per_batch * run.accumulate:
-        return run.accumulate, (
-            f"stratagem: {head}: {target} samples per optimizer step as before ({run.describe()}): "
-            f"accumulate_grad_batches={run.accumulate} is kept{again}."
-        )
+    taken = per_batch * run.accumulate
+    if target == taken:
+        return run.accumulate, f"{target} samples per optimizer step as before ({run.describe()}): {kept}"
     if not keep_global_batch:
         return run.accumulate, (
-            f"stratagem: {head}: keep_global_batch=False, so accumulate_grad_batches={run.accumulate} is kept "
-            f"and a step takes {run.describe()} samples (the checkpoint's run: {before.describe()}){again}."
+            f"keep_global_batch=False, so {kept} and a step takes {taken} samples ({run.describe()}) where the "
+            f"checkpoint's run took {target} ({before.describe()})"
         )
     if target % per_batch:
         return run.accumulate, (
-            f"stratagem: {head}: the checkpoint's run took {before.describe()} samples per step, which no whole "
-            f"number of batches of {run.batch_size} x {run.world_size} process(es) makes: "
-            f"accumulate_grad_batches={run.accumulate} is kept and a step takes {run.describe()}{again}."
+            f"the checkpoint's run took {target} samples per step ({before.describe()}), which no whole number "
+            f"of batches of {run.batch_size} x {run.world_size} process(es) makes: {kept} and a step takes "
+            f"{taken} samples"
         )
-    kept = attrs.evolve(run, accumulate=target // per_batch)
-    return kept.accumulate, (
-        f"stratagem: {head}: keeping the checkpoint's {target} samples per optimizer step "
-        f"(accumulate_grad_batches {run.accumulate} -> {kept.accumulate}: {kept.describe()}; "
-        f"Trainer(keep_global_batch=False) keeps the script's){again}."
+    restored = attrs.evolve(run, accumulate=target // per_batch)
+    return restored.accumulate, (
+        f"keeping the checkpoint's {target} samples per optimizer step (accumulate_grad_batches "
+        f"{run.accumulate} -> {restored.accumulate}: {restored.describe()}; Trainer(keep_global_batch=False) "
+        "keeps the script's)"
+    )
+
+
+def _same_processes(before: Consumption, run: Consumption) -> str | None:
+    """Same world size and per-process batch: an accumulation the script changed is its own choice."""
+    if before.accumulate == run.accumulate:
+        return None
+    samples = ""
+    if run.samples_per_step is not None:
+        samples = f": {run.samples_per_step} samples per step where the checkpoint's run took "
+        samples += str(before.samples_per_step)
+    return (
+        f"stratagem: accumulate_grad_batches {before.accumulate} -> {run.accumulate}, as the script asks (the "
+        f"world size and per-process batch are the checkpoint's){samples}."
+    )
+
+
+def _without_batch_size(
+    position: Position, world_size: int, accumulate: int, run: Consumption, keep_global_batch: bool
+) -> tuple[int, str | None]:
+    """A checkpoint written before the per-process batch was recorded."""
+    if world_size == run.world_size:
+        return run.accumulate, None
+    if keep_global_batch:
+        return continue_at_world_size(
+            position, saved_world_size=world_size, saved_accumulate=accumulate, world_size=run.world_size
+        )
+    again = _follow_samples(position, Consumption(None, world_size, accumulate), run)
+    return run.accumulate, (
+        f"stratagem: world size changed from {world_size} to {run.world_size}: keep_global_batch=False, so "
+        f"accumulate_grad_batches={run.accumulate} is kept{again}."
     )
 
 
@@ -130,7 +149,8 @@ def _what_changed(before: Consumption, run: Consumption) -> str:
     if before.world_size != run.world_size:
         parts.append(f"world size changed from {before.world_size} to {run.world_size}")
     if before.batch_size != run.batch_size:
-        parts.append(f"per-process batch changed from {before.batch_size} to {run.batch_size}")
+        sizes = ["no fixed size" if b is None else b for b in (before.batch_size, run.batch_size)]
+        parts.append(f"per-process batch changed from {sizes[0]} to {sizes[1]}")
     return ", ".join(parts)
 
 

@@ -3,9 +3,9 @@ for all of them): ``python resume_plan.py PLAN.json``.
 
 The plan: ``{"devices": N, "runs": [{...}, ...]}``; each run gives ``strategy``, ``batch`` (per process),
 ``accumulate``, ``steps``, ``root`` (a local folder or an s3:// URL) and ``out`` (rank 0 writes the result
-there), and optionally ``ckpt_every``, ``format``, ``ckpt_path`` and ``keep_global_batch``. The data are taken in order (no
-shuffle), so runs at different world sizes see the same samples in the same order (the distributed sampler
-deals them out in turn).
+there), and optionally ``ckpt_every``, ``format``, ``ckpt_path`` and ``keep_global_batch``. The data are
+taken in order (no shuffle), so runs at different world sizes see the same samples in the same order (the
+distributed sampler deals them out in turn).
 """
 
 from __future__ import annotations
