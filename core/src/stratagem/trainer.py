@@ -234,7 +234,8 @@ class Trainer(CheckpointingMixin):
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> None:
         """Train ``model``. ``ckpt_path``: ``None`` (start fresh), ``"last"`` (resume from the newest complete
-        checkpoint under ``default_root_dir``, or start fresh if there is none), or a checkpoint's path."""
+        checkpoint under ``default_root_dir``, or start fresh if there is none), or a checkpoint's path (given a
+        run's ``checkpoints/last`` pointer, the checkpoint it names)."""
         _fit_checks.check_model(model, for_fit=True)
         _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
         if val_dataloaders is not None:
