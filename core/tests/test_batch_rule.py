@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 import stratagem as sg
 from stratagem._batch_rule import Consumption, continue_with, loader_batch_size
 from stratagem._resume import Position
-from stratagem.errors import ConfigurationError
+from stratagem.errors import CheckpointError, ConfigurationError
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
 import sg_workloads as wl
@@ -169,6 +169,14 @@ def test_ckpt_path_given_the_last_pointer_follows_it(
     assert f"Resumed from {checkpoints / 'step-000004.ckpt'} at step 4" in out
     assert again.ckpt_path == checkpoints / "step-000004.ckpt" and again.global_step == 6
     assert len(module.losses) == 2
+    # A pointer to nothing complete is refused, not taken for a fresh start.
+    elsewhere = tmp_path / "other" / "checkpoints"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "last").write_text("step-000002.ckpt\n")
+    with pytest.raises(
+        CheckpointError, match=r"is the `last` pointer of .*which holds no complete checkpoint"
+    ):
+        trainer(6).fit(wl.Regression(), DataLoader(wl.dataset(), batch_size=8), ckpt_path=elsewhere / "last")
     # A loader without a fixed batch size is recorded as such.
     varied = DataLoader(wl.dataset(), batch_sampler=[list(range(i, i + 3 + i % 2)) for i in range(0, 40, 5)])
     trainer(8).fit(wl.Regression(), varied, ckpt_path="last")

@@ -129,13 +129,19 @@ class CheckpointingMixin:
             directory = self.engine.broadcast(None if found is None else str(found), 0)
         if directory is None:
             return target
-        newest = self._newest_under(_store.location(directory))
-        if newest is not None:
-            self.print(
-                f"ckpt_path={str(ckpt_path)!r} is the `last` pointer of {directory}, not a checkpoint: resuming "
-                f'from the checkpoint it names, as ckpt_path="last" would in that run ({newest}).'
+        found = find_last_checkpoint(_store.location(directory)) if self.engine.is_global_zero else None
+        newest = self.engine.broadcast(None if found is None else str(found), 0)
+        if newest is None:
+            raise CheckpointError(
+                target,
+                f"is the `last` pointer of {directory}, which holds no complete checkpoint (the one it names is "
+                "missing or partial). Pass an existing checkpoint, or None to start fresh.",
             )
-        return newest
+        self.print(
+            f"ckpt_path={str(ckpt_path)!r} is the `last` pointer of {directory}, not a checkpoint: resuming from "
+            f'the checkpoint it names, as ckpt_path="last" would in that run ({newest}).'
+        )
+        return _store.location(newest)
 
     def _newest_under(self, directory: Path | str) -> Path | str | None:
         found = find_last_checkpoint(directory) if self.engine.is_global_zero else None
