@@ -163,7 +163,9 @@ def test_bad_restart_options_are_refused_before_anything_runs(tmp_path: Path) ->
 
 
 def test_a_changed_world_size_keeps_the_global_batch_where_it_divides() -> None:
-    from stratagem.trainer._resume import Position, continue_at_world_size
+    # The rule for checkpoints that do not record their per-process batch (test_batch_rule.py: the others).
+    from stratagem.trainer._batch_rule import continue_at_world_size
+    from stratagem.trainer._resume import Position
 
     shrunk = Position(step=4, epoch=0, batch_in_epoch=6)  # 6 batches per rank at 4 ranks: 24 consumed
     accumulate, message = continue_at_world_size(shrunk, saved_world_size=4, saved_accumulate=1, world_size=2)

@@ -14,11 +14,14 @@ import attrs
 from stratagem.checkpoint import PerRank, _store
 from stratagem.engine.seed import capture_rng
 from stratagem.errors import CheckpointError, ConfigurationError
-from stratagem.trainer._resume import Position, continue_at_world_size
+from stratagem.trainer._batch_rule import Consumption, continue_with
+from stratagem.trainer._resume import Position
 from stratagem.trainer._run_dir import (
     CHECKPOINT_DIR,
+    LAST_POINTER,
     checkpoint_name,
     find_last_checkpoint,
+    pointer_directory,
     prune,
     publish_last,
 )
@@ -49,6 +52,8 @@ class CheckpointingMixin:
     _epoch_rng: dict[str, Any] | None
     _resume: dict[str, Any] | None
     _last_saved_step: int | None
+    #: The train loader's per-process batch size (None: no fixed one), set by ``fit``.
+    _batch_size: int | None = None
 
     def print(self, *args: Any) -> None:  # the Trainer's
         raise NotImplementedError
@@ -82,10 +87,7 @@ class CheckpointingMixin:
             rng=PerRank(capture_rng()),
             epoch_rng=PerRank(self._epoch_rng),
             extras=extras,
-            topology={
-                "world_size": self.engine.world_size,
-                "accumulate_grad_batches": self.options.accumulate_grad_batches,
-            },
+            topology=self._consumption().to_dict(),
         )
         if "on_save_checkpoint" in self._events.implemented:
             state["callbacks"] = PerRank(self._events.collect_states(self, str(path)))
@@ -110,15 +112,42 @@ class CheckpointingMixin:
             state["grad_scaler"] = scaler
         return state
 
+    def _consumption(self) -> Consumption:
+        """What this run consumes per optimizer step (recorded in its checkpoints)."""
+        return Consumption(self._batch_size, self.engine.world_size, self.options.accumulate_grad_batches)
+
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None:
         if ckpt_path is None:
             return None
-        if ckpt_path != "last":
-            return _store.location(ckpt_path)
-        found = find_last_checkpoint(self.checkpoint_dir) if self.engine.is_global_zero else None
+        if ckpt_path == "last":
+            return self._newest_under(self.checkpoint_dir)
+        target = _store.location(ckpt_path)
+        # A run's `last` pointer given as the path: a small text file naming a checkpoint beside it.
+        directory = None
+        if _store.name_of(target) == LAST_POINTER:
+            found = pointer_directory(target) if self.engine.is_global_zero else None
+            directory = self.engine.broadcast(None if found is None else str(found), 0)
+        if directory is None:
+            return target
+        found = find_last_checkpoint(_store.location(directory)) if self.engine.is_global_zero else None
+        newest = self.engine.broadcast(None if found is None else str(found), 0)
+        if newest is None:
+            raise CheckpointError(
+                target,
+                f"is the `last` pointer of {directory}, which holds no complete checkpoint (the one it names is "
+                "missing or partial). Pass an existing checkpoint, or None to start fresh.",
+            )
+        self.print(
+            f"ckpt_path={str(ckpt_path)!r} is the `last` pointer of {directory}, not a checkpoint: resuming from "
+            f'the checkpoint it names, as ckpt_path="last" would in that run ({newest}).'
+        )
+        return _store.location(newest)
+
+    def _newest_under(self, directory: Path | str) -> Path | str | None:
+        found = find_last_checkpoint(directory) if self.engine.is_global_zero else None
         found = self.engine.broadcast(None if found is None else str(found), 0)
         if found is None:
-            self.print(f"No checkpoint under {self.checkpoint_dir}: training from the start.")
+            self.print(f"No checkpoint under {directory}: training from the start.")
             return None
         return _store.location(found)
 
@@ -133,15 +162,15 @@ class CheckpointingMixin:
             )
         self.position = Position(**{k: int(v) for k, v in progress.items()})
         self._resume = {"rng": rest.get("rng"), "epoch_rng": rest.get("epoch_rng")}
-        topology = rest.get("topology")
-        if isinstance(topology, dict) and topology.get("world_size") != self.engine.world_size:
-            accumulate, message = continue_at_world_size(
-                self.position,
-                saved_world_size=int(topology["world_size"]),
-                saved_accumulate=int(topology.get("accumulate_grad_batches", 1)),
-                world_size=self.engine.world_size,
-            )
+        accumulate, message = continue_with(
+            self.position,
+            rest.get("topology"),
+            self._consumption(),
+            keep_global_batch=self.options.keep_global_batch,
+        )
+        if accumulate != self.options.accumulate_grad_batches:
             self.options = attrs.evolve(self.options, accumulate_grad_batches=accumulate)
+        if message is not None:
             self.print(message)
         assert self.module is not None
         self.module.on_load_checkpoint(dict(rest.get("extras") or {}))

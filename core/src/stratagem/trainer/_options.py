@@ -32,6 +32,11 @@ def _non_negative_int(instance: Any, attribute: attrs.Attribute, value: Any) -> 
         raise ConfigurationError(f"Trainer({attribute.name}={value!r}): give 0 or a positive integer.")
 
 
+def _flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"Trainer({attribute.name}={value!r}): give True or False.")
+
+
 def _optional_float(value: Any) -> Any:
     return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
@@ -73,6 +78,7 @@ class TrainerOptions:
     )
     restart_from_scratch: bool = False
     async_checkpoint: bool = False
+    keep_global_batch: bool = attrs.field(default=True, validator=_flag)
 
     def __attrs_post_init__(self) -> None:
         if self.max_restarts:

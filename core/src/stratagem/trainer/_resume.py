@@ -1,5 +1,6 @@
 """Exact resume: where training is (step, epoch, batches of the epoch consumed), and replaying the epoch's data
-order and random streams to continue from the middle of an epoch bit for bit."""
+order and random streams to continue from the middle of an epoch bit for bit. Resuming at another world size
+or per-process batch is :mod:`stratagem.trainer._batch_rule`'s."""
 
 from __future__ import annotations
 
@@ -61,34 +62,3 @@ def _restore_epoch_rng(loader: Any, epoch_rng: dict[str, Any]) -> None:
         )
     for generator, state in zip(generators, saved):
         generator.set_state(state)
-
-
-def continue_at_world_size(
-    position: Position, *, saved_world_size: int, saved_accumulate: int, world_size: int
-) -> tuple[int, str]:
-    """Carry on at another world size (nodes lost or back): the batches per optimizer step, and the message.
-
-    The rule: keep the global batch, per-rank batch unchanged, by changing the accumulation, because the
-    optimizer's settings (learning rate, warm-up) were chosen for that global batch. The samples seen so far in
-    the epoch are the first ``batch_in_epoch x saved_world_size`` per-rank batches of the epoch's order (the
-    distributed sampler deals them out in turn), so the position in the epoch is counted in new per-rank
-    batches. When the global batch cannot be kept (the new world size does not divide it), the per-rank batch
-    and the accumulation stay and the global batch changes with the world size.
-    """
-    global_batches = saved_world_size * saved_accumulate
-    consumed = position.batch_in_epoch * saved_world_size
-    position.batch_in_epoch = consumed // world_size
-    change = f"world size changed from {saved_world_size} to {world_size}"
-    if global_batches % world_size == 0:
-        accumulate = global_batches // world_size
-        return accumulate, (
-            f"stratagem: {change}: keeping the global batch of {global_batches} per-rank batches per step "
-            f"(accumulate_grad_batches {saved_accumulate} -> {accumulate})."
-        )
-    lost = consumed - position.batch_in_epoch * world_size
-    repeated = f"; {lost} per-rank batch(es) of this epoch are seen again" if lost else ""
-    return saved_accumulate, (
-        f"stratagem: {change}: {global_batches} per-rank batches per step cannot be split over {world_size} "
-        f"ranks, so each step now takes {world_size * saved_accumulate} (the per-rank batch and "
-        f"accumulate_grad_batches={saved_accumulate} are kept){repeated}."
-    )

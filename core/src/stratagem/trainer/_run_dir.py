@@ -14,6 +14,7 @@ from stratagem.checkpoint._store import Location
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_POINTER = "last"
+_POINTER_MAX_BYTES = 256  # a checkpoint's name and a newline; any checkpoint file is far larger
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.ckpt)?$")
 
 
@@ -60,6 +61,26 @@ def find_last_checkpoint(directory: Location) -> Location | None:
         (step, p) for p in directory.iterdir() if (step := checkpoint_step(p)) is not None and is_complete(p)
     )
     return candidates[-1][1] if candidates else None
+
+
+def pointer_directory(path: Location) -> Location | None:
+    """The run directory whose ``last`` pointer ``path`` is; None when ``path`` is not such a pointer (a
+    checkpoint that happens to be named ``last``, say)."""
+    if _store.name_of(path) != LAST_POINTER:
+        return None
+    try:
+        if isinstance(path, str):
+            small = _store.is_file(path) and _store.size(path) <= _POINTER_MAX_BYTES
+            text = _store.read_bytes(path) if small else b""
+        else:
+            small = path.is_file() and path.stat().st_size <= _POINTER_MAX_BYTES
+            text = path.read_bytes() if small else b""
+        named = text.decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if checkpoint_step(named) is None:
+        return None
+    return path.rstrip("/").rsplit("/", 1)[0] if isinstance(path, str) else path.parent
 
 
 def _find_last_remote(directory: str) -> str | None:

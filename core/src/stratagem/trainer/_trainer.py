@@ -23,6 +23,7 @@ from stratagem.launchers._watchdog import collective_timeout
 from stratagem.registry._manager import TrainerEventHooks
 from stratagem.trainer import _events as _callbacks
 from stratagem.trainer import _fit_checks
+from stratagem.trainer._batch_rule import loader_batch_size
 from stratagem.trainer._checkpoints import CheckpointingMixin
 from stratagem.trainer._metrics import MetricStore
 from stratagem.trainer._model_calls import loss_of, redirected_forward, to_device
@@ -70,6 +71,9 @@ class Trainer(CheckpointingMixin):
     :param async_checkpoint: periodic checkpoints return once the state is copied off the training path and are
         written in the background (one at a time; a failure is raised at the next save or at the end of ``fit``,
         which waits for the last one). See docs/checkpoints.md.
+    :param keep_global_batch: when resuming a checkpoint at another world size or per-process batch, change
+        ``accumulate_grad_batches`` so that an optimizer step takes as many samples as in the run that wrote it,
+        where a whole number of batches does; ``False`` keeps the script's setting. See docs/fault-tolerance.md.
     :param launcher: how the workers start (see :class:`~stratagem.Engine`): ``"auto"``, a name, or an instance.
     :param callbacks: objects whose methods implement Trainer events with ``@stratagem.hookimpl``
         (:mod:`stratagem.callbacks` has ``EarlyStopping``, ``ModelCheckpoint``, ``LearningRateMonitor``,
@@ -109,6 +113,7 @@ class Trainer(CheckpointingMixin):
         callbacks: Any = None,
         loggers: Any = None,
         async_checkpoint: bool = False,
+        keep_global_batch: bool = True,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -129,6 +134,7 @@ class Trainer(CheckpointingMixin):
             checkpoint_every_n_minutes=checkpoint_every_n_minutes,
             restart_from_scratch=restart_from_scratch,
             async_checkpoint=async_checkpoint,
+            keep_global_batch=keep_global_batch,
         )
         self.engine = Engine(
             strategy=strategy,
@@ -231,7 +237,8 @@ class Trainer(CheckpointingMixin):
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> None:
         """Train ``model``. ``ckpt_path``: ``None`` (start fresh), ``"last"`` (resume from the newest complete
-        checkpoint under ``default_root_dir``, or start fresh if there is none), or a checkpoint's path."""
+        checkpoint under ``default_root_dir``, or start fresh if there is none), or a checkpoint's path (given a
+        run's ``checkpoints/last`` pointer, the checkpoint it names)."""
         _fit_checks.check_model(model, for_fit=True)
         _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
         if val_dataloaders is not None:
@@ -241,6 +248,7 @@ class Trainer(CheckpointingMixin):
             _fit_checks.check_optimizers_before_launch(model)
             self._launch()
         self._setup(model, with_optimizers=True)
+        self._batch_size = loader_batch_size(train_dataloaders)
         resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
             self._load_for_resume(resume_from)
