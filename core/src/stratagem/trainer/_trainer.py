@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
-from stratagem.engine.seed import capture_rng, restore_rng
 from stratagem.errors import ConfigurationError
 from stratagem.launchers import _restarts
 from stratagem.launchers import _spawn as launcher
@@ -25,19 +22,21 @@ from stratagem.trainer import _events as _callbacks
 from stratagem.trainer import _fit_checks
 from stratagem.trainer._batch_rule import loader_batch_size
 from stratagem.trainer._checkpoints import CheckpointingMixin
+from stratagem.trainer._evaluation import Evaluation
+from stratagem.trainer._loop import TrainingLoop
 from stratagem.trainer._metrics import MetricStore
-from stratagem.trainer._model_calls import loss_of, redirected_forward, to_device
+from stratagem.trainer._model_calls import redirected_forward
 from stratagem.trainer._optimizers import Scheduler, parse_optimizers
 from stratagem.trainer._options import TrainerOptions
-from stratagem.trainer._progress import ProgressBar, format_metrics
+from stratagem.trainer._progress import ProgressBar
 from stratagem.trainer._recovery import Recovery
-from stratagem.trainer._resume import Position, start_epoch
+from stratagem.trainer._resume import Position
 from stratagem.trainer.module import Module
 
 __all__ = ["Trainer", "TrainerOptions"]
 
 
-class Trainer(CheckpointingMixin):
+class Trainer(TrainingLoop, Evaluation, CheckpointingMixin):
     """Fit a :class:`~stratagem.Module` under a strategy chosen by name.
 
     :param strategy: a registered name, ``"auto"`` or a ``Strategy`` instance (see :class:`~stratagem.Engine`).
@@ -332,187 +331,6 @@ class Trainer(CheckpointingMixin):
             seed=self.options.seed or 0,
         )
 
-    # the loop --------------------------------------------------------------------------------------
-    def _fit_loop(self, loader: Any, val_loader: Any) -> None:
-        opts = self.options
-        max_epochs = opts.max_epochs if (opts.max_epochs or opts.max_steps) else 1
-        accumulate = opts.accumulate_grad_batches
-        length = _length(loader)
-        steps_per_epoch = None if length is None else math.ceil(length / accumulate)
-        total = opts.max_steps
-        if max_epochs is not None and steps_per_epoch is not None:
-            by_epochs = max_epochs * steps_per_epoch
-            total = by_epochs if total is None else min(total, by_epochs)
-        self._bar = ProgressBar(enabled=self.engine.is_global_zero and opts.enable_progress_bar)
-        self._bar.start(total=total, step=self.position.step)
-        assert self.model is not None
-        self.model.train()
-        recovery = self._recovery
-        recovery.start()
-        events = self._events
-        self.should_stop = False
-        try:
-            events.call("on_fit_start", trainer=self)
-            if self.engine.is_global_zero:
-                events.call("log_hyperparams", trainer=self, params=_callbacks.hyperparameters(self))
-            self._logging = True
-            self._epochs(loader, val_loader, max_epochs, length)
-            if self._train_metrics:
-                self._log_train_metrics()
-            periodic = (
-                opts.checkpoint_every_n_steps is not None or opts.checkpoint_every_n_minutes is not None
-            )
-            if periodic and self._last_saved_step != self.position.step:
-                self._save_periodic()
-            self.engine.wait_for_checkpoint()  # fit returns with every checkpoint written (or raises)
-            events.call("on_fit_end", trainer=self)
-        except Exception as error:
-            self._on_exception(error)
-            raise
-        finally:
-            recovery.stop()
-            self._bar.close()
-        summary = recovery.summary()
-        if summary is not None:
-            self.print(summary)
-        self.engine.barrier("fit-end")
-
-    def _on_exception(self, error: Exception) -> None:
-        try:
-            self._events.call("on_exception", trainer=self, exception=error)
-        except Exception as also:  # the original error is the one to report
-            print(
-                f"stratagem: on_exception of a callback raised {type(also).__name__}: {also}", file=sys.stderr
-            )
-
-    def _stop_agreed(self) -> bool:
-        """Whether any rank asked to stop (every rank calls this at the same points: it is a collective)."""
-        if self.engine.world_size > 1:
-            flag = torch.tensor([float(self.should_stop)], dtype=torch.float64, device=self.engine.device)
-            self.should_stop = bool(self.engine.all_reduce(flag, "max").item())
-        return self.should_stop
-
-    def _done(self, max_epochs: int | None) -> bool:
-        max_steps = self.options.max_steps
-        if max_steps is not None and self.position.step >= max_steps:
-            return True
-        return max_epochs is not None and self.position.epoch >= max_epochs
-
-    def _epochs(self, loader: Any, val_loader: Any, max_epochs: int | None, length: int | None) -> None:
-        position = self.position
-        while not self._done(max_epochs):
-            iterator = self._start_epoch(loader)
-            self._events.call("on_train_epoch_start", trainer=self, epoch=position.epoch)
-            for batch in iterator:
-                last_of_epoch = length is not None and position.batch_in_epoch + 1 == length
-                if self._train_batch(batch, last_of_epoch, val_loader):
-                    return
-            self._end_epoch(val_loader)
-            if self._stop_agreed():
-                return
-
-    def _start_epoch(self, loader: Any) -> Any:
-        resume, self._resume = self._resume, None
-        iterator, self._epoch_rng = start_epoch(loader, self.position, resume)
-        return iterator
-
-    def _end_epoch(self, val_loader: Any) -> None:
-        ended = self.position.epoch
-        for scheduler in self.lr_schedulers:
-            if scheduler.interval == "epoch" and (ended + 1) % scheduler.frequency == 0:
-                scheduler.scheduler.step()
-        # The position moves on before the epoch's validation, so that a checkpoint written there (a best-k
-        # one) resumes at the next epoch rather than replaying this epoch's end.
-        self.position.epoch += 1
-        self.position.batch_in_epoch = 0
-        self._epoch_rng = None
-        if val_loader is not None and self.options.val_check_interval is None:
-            self._run_validation(val_loader, epoch=ended)
-        self._events.call("on_train_epoch_end", trainer=self, epoch=ended)
-
-    def _train_batch(self, batch: Any, last_of_epoch: bool, val_loader: Any) -> bool:
-        """One batch; an optimizer step at the end of each accumulation. True when training is done."""
-        opts, position, engine = self.options, self.position, self.engine
-        batch_idx = position.batch_in_epoch
-        boundary = last_of_epoch or (batch_idx + 1) % opts.accumulate_grad_batches == 0
-        beat = self._recovery.beat
-        beat(position.step, batch_idx, "training_step")
-        if engine.device.type != "cpu":
-            batch = to_device(batch, engine.device)
-        events = self._events
-        events.call("on_train_batch_start", trainer=self, batch=batch, batch_idx=batch_idx)
-        with engine.no_sync(self.model, enabled=not boundary):
-            with engine.forward_context():
-                output = self._call("training_step", batch, batch_idx)
-            loss = loss_of(output)
-            beat(position.step, batch_idx, "backward")
-            engine.backward(
-                loss / opts.accumulate_grad_batches if opts.accumulate_grad_batches > 1 else loss, self.model
-            )
-        self._train_metrics.add("loss", loss.detach())
-        position.batch_in_epoch = batch_idx + 1
-        self._stepped = boundary
-        if not boundary:
-            events.call(
-                "on_train_batch_end",
-                trainer=self,
-                outputs=output,
-                batch=batch,
-                batch_idx=batch_idx,
-                step=position.step,
-            )
-            beat(position.step, batch_idx + 1, "data")
-            return False
-        beat(position.step, batch_idx, "optimizer_step")
-        self._optimizer_step()
-        position.step += 1
-        self._recovery.step_done(position.step)
-        events.call(
-            "on_train_batch_end",
-            trainer=self,
-            outputs=output,
-            batch=batch,
-            batch_idx=batch_idx,
-            step=position.step,
-        )
-        logging = position.step % opts.log_every_n_steps == 0
-        if logging:
-            beat(position.step, batch_idx, "logging")
-            self._log_train_metrics()
-        assert self._bar is not None
-        self._bar.update(position.step)
-        validating = bool(
-            val_loader is not None
-            and opts.val_check_interval
-            and position.step % opts.val_check_interval == 0
-        )
-        if validating:
-            self._run_validation(val_loader)
-        by_steps = opts.checkpoint_every_n_steps and position.step % opts.checkpoint_every_n_steps == 0
-        if self._recovery.save_due() or by_steps:
-            beat(position.step, batch_idx, "checkpoint")
-            self._save_periodic()
-        beat(position.step, batch_idx + 1, "data")
-        if (logging or validating) and self._stop_agreed():
-            return True
-        return opts.max_steps is not None and position.step >= opts.max_steps
-
-    def _optimizer_step(self) -> None:
-        clip = self.options.gradient_clip_val
-        for optimizer in self.optimizers:
-            self._events.call(
-                "on_before_optimizer_step", trainer=self, optimizer=optimizer, step=self.position.step
-            )
-            if clip is not None:
-                self.engine.clip_gradients(self.model, optimizer, clip)
-            optimizer.step()
-        for optimizer in self.optimizers:
-            optimizer.zero_grad()
-        step = self.position.step + 1
-        for scheduler in self.lr_schedulers:
-            if scheduler.interval == "step" and step % scheduler.frequency == 0:
-                scheduler.scheduler.step()
-
     def _call(self, method: str, *args: Any) -> Any:
         # Always through the wrapped model's __call__, also when the strategy wrapped in place (FSDP2, tensor
         # parallel): their forward hooks gather the root's parameters, and calling the step on the module
@@ -522,70 +340,10 @@ class Trainer(CheckpointingMixin):
         with redirected_forward(module, method):
             return model(*args)
 
-    # metrics ---------------------------------------------------------------------------------------
-    def _log_metric(self, name: str, value: Any, *, prog_bar: bool, reduce: str) -> None:
-        store = self._val_metrics if self._in_validation else self._train_metrics
-        store.add(name, value, reduce=reduce, prog_bar=prog_bar)
-
-    def _log_train_metrics(self) -> None:
-        store = self._train_metrics
-        if self._recovery.counts_restarts:
-            store.add("restarts", self._recovery.restart_count, reduce="max", prog_bar=False)
-        shown = set(store.prog_bar)
-        values = store.reduce(self.engine)
-        self.logged_metrics.update(values)
-        self._write_metrics(values, self.position.epoch)
-        assert self._bar is not None
-        self._bar.set_metrics({k: v for k, v in values.items() if k in shown})
-
-    def _write_metrics(self, values: dict[str, float], epoch: int) -> None:
-        if self._logging and self.engine.is_global_zero:
-            self._events.call(
-                "log_metrics", trainer=self, metrics={"epoch": epoch, **values}, step=self.position.step
-            )
-
-    def _run_validation(self, loader: Any, epoch: int | None = None) -> dict[str, float]:
-        assert self.model is not None
-        limit = self.options.limit_val_batches
-        was_training = self.model.training
-        # Validation must not change the training's random stream (resume replays it exactly).
-        rng = capture_rng()
-        self._events.call("on_validation_start", trainer=self)
-        self.model.eval()
-        self._in_validation = True
-        try:
-            with torch.no_grad():
-                for batch_idx, batch in enumerate(loader):
-                    if limit is not None and batch_idx >= limit:
-                        break
-                    self._recovery.beat(self.position.step, self.position.batch_in_epoch, "validation")
-                    if self.engine.device.type != "cpu":
-                        batch = to_device(batch, self.engine.device)
-                    with self.engine.forward_context():
-                        self._call("validation_step", batch, batch_idx)
-            values = self._val_metrics.reduce(self.engine)
-        finally:
-            self._in_validation = False
-            self.model.train(was_training)
-            restore_rng(rng)
-        self.logged_metrics.update(values)
-        if values:
-            self._write_metrics(values, self.position.epoch if epoch is None else epoch)
-            self.print(f"validation at step {self.position.step}: {format_metrics(values)}")
-        self._events.call("on_validation_end", trainer=self, metrics=dict(values))
-        return values
-
 
 # -------------------------------------------------------------------------------------------------
 # helpers
 # -------------------------------------------------------------------------------------------------
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
 
 
 _TEARDOWN_REGISTERED: set[int] = set()

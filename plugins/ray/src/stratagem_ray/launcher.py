@@ -19,7 +19,6 @@ checkpoint. Actors' output reaches the driver through Ray, each line led by the 
 from __future__ import annotations
 
 import os
-import re
 import socket
 import sys
 import time
@@ -29,6 +28,8 @@ from stratagem.errors import ConfigurationError, WorkerFailedError
 from stratagem.hookspecs import hookimpl
 from stratagem.launchers import LaunchJob
 from stratagem.launchers.base import Launcher
+from stratagem_ray._failures import _describe, _root_cause
+from stratagem_ray._worker import _Worker
 
 #: How long a placement group may wait for its resources before the run is refused.
 PLACEMENT_TIMEOUT_S = 60.0
@@ -228,124 +229,6 @@ class RayLauncher(Launcher):
         finally:
             for actor in actors:
                 ray.kill(actor, no_restart=True)
-
-
-class _Worker:
-    """One worker process of the run (a Ray actor). Ray prefixes its output with ``repr(self)``."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-
-    def __repr__(self) -> str:
-        return f"rank {self.rank}"
-
-    def where(self) -> tuple[str, str]:
-        import ray
-
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-
-    def free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            return sock.getsockname()[1]
-
-    def run(
-        self, env: dict[str, str], kind: str, command: list[str], function: Any, args: tuple, cwd: str
-    ) -> Any:
-        os.environ.update(env)
-        if os.path.isdir(cwd):
-            os.chdir(cwd)
-        # Ray forwards the actor's output line by line; a block-buffered stream would hold it back, and an
-        # actor ended by the driver would lose what it held.
-        for stream in (sys.stdout, sys.stderr):
-            if hasattr(stream, "reconfigure"):
-                stream.reconfigure(line_buffering=True)
-        try:
-            if kind == "function":
-                return function(*args)
-            return _run_command(command)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-
-
-def _run_command(command: list[str]) -> None:
-    """Run ``python ...`` arguments in this process as ``__main__`` (a script, ``-m module`` or ``-c code``)."""
-    import runpy
-
-    args = command[1:]
-    try:
-        if args[0] == "-m":
-            sys.argv = [args[1], *args[2:]]
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        elif args[0] == "-c":
-            sys.argv = ["-c", *args[2:]]
-            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
-        else:
-            sys.argv = list(args)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
-            runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as stop:
-        if stop.code not in (None, 0):
-            raise RuntimeError(f"the script exited with {stop.code!r}") from None
-
-
-def _traceback_text(text: str) -> str:
-    """The worker's traceback from a Ray task error's message.
-
-    Ray replaces the ``Traceback (most recent call last):`` header with the actor call's title, colours it,
-    and keeps the frames (without Ray's own) and the exception line; give it back in Python's form.
-    """
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
-    start = text.find("Traceback (most recent call last)")
-    if start >= 0:
-        return text[start:].rstrip()
-    lines = text.strip().splitlines()
-    if len(lines) < 2:
-        return ""
-    frames = [line for line in lines[1:] if line.strip() and set(line.strip()) != {"^"}]
-    return f"Traceback (most recent call last), in {lines[0].strip()}:\n" + "\n".join(frames)
-
-
-def _root_cause(first: WorkerFailedError, pending: dict[Any, int]) -> WorkerFailedError:
-    """The failure to report: ``first``, unless it is a collective that lost its peer and the peer's own
-    failure arrives within the grace period (the peer's ``finally`` can break the collective before its
-    exception leaves the actor)."""
-    import ray
-
-    from stratagem.launchers._failures import lost_peer
-    from stratagem.launchers._spawn import LOST_PEER_GRACE_S
-
-    if not lost_peer(first.detail):
-        return first
-    deadline = time.monotonic() + LOST_PEER_GRACE_S
-    while pending and (left := deadline - time.monotonic()) > 0:
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
-        if not done:
-            break
-        rank = pending.pop(done[0])
-        try:
-            ray.get(done[0])
-        except Exception as error:
-            failure = _describe(rank, error)
-            if not lost_peer(failure.detail):
-                return failure
-    return first
-
-
-def _describe(rank: int, error: BaseException) -> WorkerFailedError:
-    from ray.exceptions import RayActorError, RayTaskError
-
-    if isinstance(error, RayTaskError):
-        cause = error.cause if getattr(error, "cause", None) is not None else error
-        return WorkerFailedError(rank, 1, _traceback_text(str(error)) or f"{type(cause).__name__}: {cause}")
-    if isinstance(error, RayActorError):
-        return WorkerFailedError(
-            rank,
-            None,
-            "its process died (killed by a signal, or out of memory): " + str(error).splitlines()[0],
-        )
-    return WorkerFailedError(rank, None, f"{type(error).__name__}: {error}")
 
 
 def _workers_per_node(job: LaunchJob, world: int) -> int:

@@ -1,0 +1,231 @@
+"""The Trainer's fit loop: epochs, batches, accumulation and the optimizer step, stopping when every rank
+agrees, and the periodic checkpoints and validations it triggers."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stratagem.trainer import _events as _callbacks
+from stratagem.trainer._model_calls import loss_of, to_device
+from stratagem.trainer._progress import ProgressBar
+from stratagem.trainer._resume import Position, start_epoch
+
+if TYPE_CHECKING:
+    from stratagem.engine import Engine
+    from stratagem.registry._manager import TrainerEventHooks
+    from stratagem.trainer._metrics import MetricStore
+    from stratagem.trainer._optimizers import Scheduler
+    from stratagem.trainer._options import TrainerOptions
+    from stratagem.trainer._recovery import Recovery
+
+
+class TrainingLoop:
+    """The Trainer's loop methods; the Trainer holds the state they advance."""
+
+    options: TrainerOptions
+    engine: Engine
+    position: Position
+    model: torch.nn.Module | None
+    optimizers: list[Any]
+    lr_schedulers: list[Scheduler]
+    should_stop: bool
+    _events: TrainerEventHooks
+    _recovery: Recovery
+    _train_metrics: MetricStore
+    _bar: ProgressBar | None
+    _epoch_rng: dict[str, Any] | None
+    _resume: dict[str, Any] | None
+    _last_saved_step: int | None
+    _logging: bool
+    _stepped: bool
+
+    def _fit_loop(self, loader: Any, val_loader: Any) -> None:
+        opts = self.options
+        max_epochs = opts.max_epochs if (opts.max_epochs or opts.max_steps) else 1
+        accumulate = opts.accumulate_grad_batches
+        length = _length(loader)
+        steps_per_epoch = None if length is None else math.ceil(length / accumulate)
+        total = opts.max_steps
+        if max_epochs is not None and steps_per_epoch is not None:
+            by_epochs = max_epochs * steps_per_epoch
+            total = by_epochs if total is None else min(total, by_epochs)
+        self._bar = ProgressBar(enabled=self.engine.is_global_zero and opts.enable_progress_bar)
+        self._bar.start(total=total, step=self.position.step)
+        assert self.model is not None
+        self.model.train()
+        recovery = self._recovery
+        recovery.start()
+        events = self._events
+        self.should_stop = False
+        try:
+            events.call("on_fit_start", trainer=self)
+            if self.engine.is_global_zero:
+                events.call("log_hyperparams", trainer=self, params=_callbacks.hyperparameters(self))
+            self._logging = True
+            self._epochs(loader, val_loader, max_epochs, length)
+            if self._train_metrics:
+                self._log_train_metrics()
+            periodic = (
+                opts.checkpoint_every_n_steps is not None or opts.checkpoint_every_n_minutes is not None
+            )
+            if periodic and self._last_saved_step != self.position.step:
+                self._save_periodic()
+            self.engine.wait_for_checkpoint()  # fit returns with every checkpoint written (or raises)
+            events.call("on_fit_end", trainer=self)
+        except Exception as error:
+            self._on_exception(error)
+            raise
+        finally:
+            recovery.stop()
+            self._bar.close()
+        summary = recovery.summary()
+        if summary is not None:
+            self.print(summary)
+        self.engine.barrier("fit-end")
+
+    def _on_exception(self, error: Exception) -> None:
+        try:
+            self._events.call("on_exception", trainer=self, exception=error)
+        except Exception as also:  # the original error is the one to report
+            print(
+                f"stratagem: on_exception of a callback raised {type(also).__name__}: {also}", file=sys.stderr
+            )
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank asked to stop (every rank calls this at the same points: it is a collective)."""
+        if self.engine.world_size > 1:
+            flag = torch.tensor([float(self.should_stop)], dtype=torch.float64, device=self.engine.device)
+            self.should_stop = bool(self.engine.all_reduce(flag, "max").item())
+        return self.should_stop
+
+    def _done(self, max_epochs: int | None) -> bool:
+        max_steps = self.options.max_steps
+        if max_steps is not None and self.position.step >= max_steps:
+            return True
+        return max_epochs is not None and self.position.epoch >= max_epochs
+
+    def _epochs(self, loader: Any, val_loader: Any, max_epochs: int | None, length: int | None) -> None:
+        position = self.position
+        while not self._done(max_epochs):
+            iterator = self._start_epoch(loader)
+            self._events.call("on_train_epoch_start", trainer=self, epoch=position.epoch)
+            for batch in iterator:
+                last_of_epoch = length is not None and position.batch_in_epoch + 1 == length
+                if self._train_batch(batch, last_of_epoch, val_loader):
+                    return
+            self._end_epoch(val_loader)
+            if self._stop_agreed():
+                return
+
+    def _start_epoch(self, loader: Any) -> Any:
+        resume, self._resume = self._resume, None
+        iterator, self._epoch_rng = start_epoch(loader, self.position, resume)
+        return iterator
+
+    def _end_epoch(self, val_loader: Any) -> None:
+        ended = self.position.epoch
+        for scheduler in self.lr_schedulers:
+            if scheduler.interval == "epoch" and (ended + 1) % scheduler.frequency == 0:
+                scheduler.scheduler.step()
+        # The position moves on before the epoch's validation, so that a checkpoint written there (a best-k
+        # one) resumes at the next epoch rather than replaying this epoch's end.
+        self.position.epoch += 1
+        self.position.batch_in_epoch = 0
+        self._epoch_rng = None
+        if val_loader is not None and self.options.val_check_interval is None:
+            self._run_validation(val_loader, epoch=ended)
+        self._events.call("on_train_epoch_end", trainer=self, epoch=ended)
+
+    def _train_batch(self, batch: Any, last_of_epoch: bool, val_loader: Any) -> bool:
+        """One batch; an optimizer step at the end of each accumulation. True when training is done."""
+        opts, position, engine = self.options, self.position, self.engine
+        batch_idx = position.batch_in_epoch
+        boundary = last_of_epoch or (batch_idx + 1) % opts.accumulate_grad_batches == 0
+        beat = self._recovery.beat
+        beat(position.step, batch_idx, "training_step")
+        if engine.device.type != "cpu":
+            batch = to_device(batch, engine.device)
+        events = self._events
+        events.call("on_train_batch_start", trainer=self, batch=batch, batch_idx=batch_idx)
+        with engine.no_sync(self.model, enabled=not boundary):
+            with engine.forward_context():
+                output = self._call("training_step", batch, batch_idx)
+            loss = loss_of(output)
+            beat(position.step, batch_idx, "backward")
+            engine.backward(
+                loss / opts.accumulate_grad_batches if opts.accumulate_grad_batches > 1 else loss, self.model
+            )
+        self._train_metrics.add("loss", loss.detach())
+        position.batch_in_epoch = batch_idx + 1
+        self._stepped = boundary
+        if not boundary:
+            events.call(
+                "on_train_batch_end",
+                trainer=self,
+                outputs=output,
+                batch=batch,
+                batch_idx=batch_idx,
+                step=position.step,
+            )
+            beat(position.step, batch_idx + 1, "data")
+            return False
+        beat(position.step, batch_idx, "optimizer_step")
+        self._optimizer_step()
+        position.step += 1
+        self._recovery.step_done(position.step)
+        events.call(
+            "on_train_batch_end",
+            trainer=self,
+            outputs=output,
+            batch=batch,
+            batch_idx=batch_idx,
+            step=position.step,
+        )
+        logging = position.step % opts.log_every_n_steps == 0
+        if logging:
+            beat(position.step, batch_idx, "logging")
+            self._log_train_metrics()
+        assert self._bar is not None
+        self._bar.update(position.step)
+        validating = bool(
+            val_loader is not None
+            and opts.val_check_interval
+            and position.step % opts.val_check_interval == 0
+        )
+        if validating:
+            self._run_validation(val_loader)
+        by_steps = opts.checkpoint_every_n_steps and position.step % opts.checkpoint_every_n_steps == 0
+        if self._recovery.save_due() or by_steps:
+            beat(position.step, batch_idx, "checkpoint")
+            self._save_periodic()
+        beat(position.step, batch_idx + 1, "data")
+        if (logging or validating) and self._stop_agreed():
+            return True
+        return opts.max_steps is not None and position.step >= opts.max_steps
+
+    def _optimizer_step(self) -> None:
+        clip = self.options.gradient_clip_val
+        for optimizer in self.optimizers:
+            self._events.call(
+                "on_before_optimizer_step", trainer=self, optimizer=optimizer, step=self.position.step
+            )
+            if clip is not None:
+                self.engine.clip_gradients(self.model, optimizer, clip)
+            optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        step = self.position.step + 1
+        for scheduler in self.lr_schedulers:
+            if scheduler.interval == "step" and step % scheduler.frequency == 0:
+                scheduler.scheduler.step()
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
