@@ -14,20 +14,7 @@ Each column is a real multi-process run started by stratagem's launcher; every w
 
 from __future__ import annotations
 
-from stratagem.cli.compare._columns import Column, Job, default_warmup, parse_columns
-from stratagem.cli.compare._measuring import (
-    MB,
-    current_rss_bytes,
-    gradient_bytes,
-    local_bytes,
-    optimizer_bytes,
-    parameter_bytes,
-    peak_rss_bytes,
-)
-from stratagem.cli.compare._models import load_model_factory
-from stratagem.cli.compare._report import format_table, plot, require_matplotlib, table_rows, to_json
-from stratagem.cli.compare._run import ColumnResult, check_columns, run, with_suppress
-from stratagem.registry._labels import SHORTHAND_OPTION
+from stratagem.registry._lazy import lazy_getattr
 
 __all__ = [
     "MB",
@@ -53,3 +40,31 @@ __all__ = [
     "to_json",
     "with_suppress",
 ]
+
+# Imported on first use: the command's module lives in this package, and `stratagem strategies` imports it.
+_LAZY = {
+    "Column": "stratagem.cli.compare._columns",
+    "ColumnResult": "stratagem.cli.compare._run",
+    "Job": "stratagem.cli.compare._columns",
+    "MB": "stratagem.cli.compare._measuring",
+    "SHORTHAND_OPTION": "stratagem.registry._labels",
+    "check_columns": "stratagem.cli.compare._run",
+    "current_rss_bytes": "stratagem.cli.compare._measuring",
+    "default_warmup": "stratagem.cli.compare._columns",
+    "format_table": "stratagem.cli.compare._report",
+    "gradient_bytes": "stratagem.cli.compare._measuring",
+    "load_model_factory": "stratagem.cli.compare._models",
+    "local_bytes": "stratagem.cli.compare._measuring",
+    "optimizer_bytes": "stratagem.cli.compare._measuring",
+    "parameter_bytes": "stratagem.cli.compare._measuring",
+    "parse_columns": "stratagem.cli.compare._columns",
+    "peak_rss_bytes": "stratagem.cli.compare._measuring",
+    "plot": "stratagem.cli.compare._report",
+    "require_matplotlib": "stratagem.cli.compare._report",
+    "run": "stratagem.cli.compare._run",
+    "table_rows": "stratagem.cli.compare._report",
+    "to_json": "stratagem.cli.compare._report",
+    "with_suppress": "stratagem.cli.compare._run",
+}
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
