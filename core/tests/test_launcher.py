@@ -73,11 +73,11 @@ def test_ctrl_c_stops_the_workers_and_leaves_nothing_behind(tmp_path: Path, temp
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert process.returncode == -signal.SIGINT, err[-3000:]
-    assert "KeyboardInterrupt" in err and "SignalException" not in err, err[-3000:]
     time.sleep(0.5)
     assert wl.processes_mentioning(str(root)) == [], "a worker outlived the run"
     assert temp_dir.left() == [], "the run left these in the temporary directory"
+    assert process.returncode == -signal.SIGINT, err[-3000:]
+    assert "KeyboardInterrupt" in err and "SignalException" not in err, err[-3000:]
 
 
 @pytest.mark.multiprocess
