@@ -70,19 +70,26 @@ def _orphaned(name: str) -> bool:
 def sweep(directory: str | os.PathLike[str] | None = None) -> list[str]:
     """Remove the scratch entries under ``directory`` (the temporary directory) whose maker is gone."""
     where = Path(directory or tempfile.gettempdir())
+    uid = os.getuid() if hasattr(os, "getuid") else None
     try:
-        names = [entry.name for entry in os.scandir(where)]
+        entries = list(os.scandir(where))
     except OSError:
         return []
     removed = []
-    for name in names:
-        if name.startswith("stratagem-") and _orphaned(name):
-            path = where / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
+    for entry in entries:
+        if not entry.name.startswith("stratagem-") or not _orphaned(entry.name):
+            continue
+        try:
+            # Another user's are theirs to remove (a shared temporary directory): never touch them.
+            if uid is not None and entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
             else:
-                path.unlink(missing_ok=True)
-            removed.append(name)
+                os.unlink(entry.path)
+        except OSError:  # gone already (another process swept it), or not ours to remove
+            continue
+        removed.append(entry.name)
     return removed
 
 
