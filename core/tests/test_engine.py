@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -72,8 +73,11 @@ def test_single_process_loop_save_and_load(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_launch_runs_the_function_in_every_process(temp_dir) -> None:
     engine = sg.Engine(strategy=wl.GradAverage(), accelerator="cpu", devices=2, timeout=60)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     out = engine.launch(wl.collectives_and_loop, [1, 2], 5, 4)
     assert temp_dir.left() == [], "the launch left these in the temporary directory"
+    # The agent's signal handlers are gone with it: a Ctrl-C from here on is a KeyboardInterrupt again.
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     assert out["rank"] == 0 and out["world_size"] == 2  # rank 0's result comes back
     assert (out["sum"], out["mean"], out["max"]) == (3.0, 1.5, 2.0)
     assert out["gather"] == [[0, 1], [0, 1, 2]]
