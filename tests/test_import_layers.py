@@ -55,7 +55,7 @@ PLUGIN_LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("strategy",),
         ("",),
     ],
-    "stratagem_ray": [("_plugin",), ("_worker", "_failures"), ("launcher",), ("",)],
+    "stratagem_ray": [("_plugin",), ("_worker", "_failures", "_cluster"), ("launcher",), ("",)],
     "stratagem_tp": [("_plugin",), ("_styles", "_config"), ("_plan",), ("strategy",), ("",)],
     "stratagem_localsgd": [("strategy",), ("",)],
 }

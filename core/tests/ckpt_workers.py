@@ -476,6 +476,8 @@ def store_crash_trials(
             outcomes["previous"] += 1
         else:
             errors.append(f"trial {trial}: found version {version}, expected {current} or {trial}")
+    # The run goes on after its last crash: this save removes the scratch the killed ones left locally.
+    periodic_save(trials + 1)
     return {
         "format": fmt,
         "asynchronous": asynchronous,

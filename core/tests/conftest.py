@@ -37,3 +37,31 @@ def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callab
     for module in set(created):
         for loaded in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
             del sys.modules[loaded]
+
+
+class TempDir:
+    """A temporary directory a test watches: ``left()`` lists what is in it, recursively."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def left(self) -> list[str]:
+        return sorted(str(entry.relative_to(self.path)) for entry in self.path.rglob("*"))
+
+
+@pytest.fixture
+def temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> TempDir:
+    """A fresh, empty temporary directory for this process (``tempfile.tempdir``) and the processes it starts
+    (``TMPDIR``), so that a test can see what a run leaves there without other processes' files in the way.
+
+    torch's compile cache (``torchinductor_<user>``, one per user and reused by every run) goes elsewhere:
+    importing torch._dynamo creates it; no run leaves it.
+    """
+    import tempfile
+
+    fresh = tmp_path / "temp-dir"
+    fresh.mkdir()
+    monkeypatch.setenv("TMPDIR", str(fresh))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(fresh))
+    return TempDir(fresh)

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -305,7 +306,7 @@ CRASH += ["--seed", "1"]
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_sigkill_during_s3_saves_leaves_last_loadable(s3: S3Server) -> None:
+def test_sigkill_during_s3_saves_leaves_last_loadable(s3: S3Server, temp_dir) -> None:
     # ckpt_workers.store_crash_trials: 10 saves per format, each killed at a random moment of a Trainer-style
     # periodic save (checkpoint, `last`, pruning); after each, the lookup behind ckpt_path="last" must find a
     # checkpoint that loads whole (the previous or the new version), and no other complete-looking one may be
@@ -331,6 +332,56 @@ def test_sigkill_during_s3_saves_leaves_last_loadable(s3: S3Server) -> None:
         # The kills landed mid-save, most of them before publication (else the test proves nothing).
         assert result["killed_mid_save"] >= 5 and result["loaded_previous"] >= 3, result
         assert result["asynchronous"] == (fmt[1] == "-async")
+    # Each process saved once more after its last kill: the local scratch of the killed saves is gone.
+    assert temp_dir.left() == [], "the saves left these in the temporary directory"
+
+
+KILLED_SAVER = """
+import sys
+import stratagem as sg
+from ckpt_workers import Blob
+
+engine, model = sg.Engine(strategy="single_device", accelerator="cpu"), Blob(16)
+while True:
+    engine.save(sys.argv[1], {"model": model}, format="full")
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_save_after_one_killed_mid_upload_removes_its_local_scratch(s3: S3Server, temp_dir) -> None:
+    url = f"s3://{BUCKET}/killed-upload/model.ckpt"
+    saver = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVER, url], cwd=TESTS, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        # A full save to a store writes a local copy of the checkpoint, then uploads it: kill it in between.
+        while not any(_upload_scratch(temp_dir.path)):
+            assert saver.poll() is None and time.monotonic() < deadline, saver.communicate()
+            time.sleep(0.01)
+    finally:
+        saver.kill()
+        saver.wait()
+    assert _upload_scratch(temp_dir.path), "the kill left nothing to clean up: the test proves nothing"
+
+    engine = sg.Engine(strategy="single_device", accelerator="cpu")
+    model = W.Blob(1)
+    engine.save(url, {"model": model, "step": 3}, format="full")
+    assert temp_dir.left() == [], "the killed save's local copy is still in the temporary directory"
+    assert engine.load(url, {"model": W.Blob(1)})["step"] == 3
+
+
+def _upload_scratch(directory: Path) -> list[int]:
+    """The sizes of the local copies of checkpoints being uploaded (files come and go while we look)."""
+    sizes = []
+    for entry in os.scandir(directory):
+        if entry.name.startswith("stratagem-upload-"):
+            try:
+                sizes.append(entry.stat().st_size)
+            except FileNotFoundError:
+                continue
+    return sizes
 
 
 # -------------------------------------------------------------------------------------------------

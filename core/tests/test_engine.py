@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -70,9 +71,13 @@ def test_single_process_loop_save_and_load(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_launch_runs_the_function_in_every_process() -> None:
+def test_launch_runs_the_function_in_every_process(temp_dir) -> None:
     engine = sg.Engine(strategy=wl.GradAverage(), accelerator="cpu", devices=2, timeout=60)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     out = engine.launch(wl.collectives_and_loop, [1, 2], 5, 4)
+    assert temp_dir.left() == [], "the launch left these in the temporary directory"
+    # The agent's signal handlers are gone with it: a Ctrl-C from here on is a KeyboardInterrupt again.
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     assert out["rank"] == 0 and out["world_size"] == 2  # rank 0's result comes back
     assert (out["sum"], out["mean"], out["max"]) == (3.0, 1.5, 2.0)
     assert out["gather"] == [[0, 1], [0, 1, 2]]
@@ -164,13 +169,14 @@ def test_hooks_receive_the_optimizer_the_strategy_returned(tmp_path: Path) -> No
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_launch_takes_lambdas_and_closures_from_a_script(tmp_path: Path) -> None:
+def test_launch_takes_lambdas_and_closures_from_a_script(tmp_path: Path, temp_dir) -> None:
     out = tmp_path / "out.json"
     script = WORKLOADS / "launch_callables.py"
     done = subprocess.run(
         [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=170
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert temp_dir.left() == [], "the launches left these in the temporary directory"
     got = json.loads(out.read_text())
     assert got["writer_is_launcher"]
     assert got["rank"] == 0 and got["world_size"] == 2 and got["sum"] == 3.0

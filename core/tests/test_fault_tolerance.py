@@ -6,6 +6,7 @@ elastic agent (the in-test gradient-averaging strategy; ddp and fsdp are in test
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +26,11 @@ import sg_workloads as wl  # noqa: E402
 STEPS = 8
 
 
+@pytest.fixture(autouse=True)
+def _watched_temp_dir(temp_dir) -> None:
+    """Every run of this module gets a fresh temporary directory, which _run checks is empty afterwards."""
+
+
 def _run(root: Path, *extra: str, timeout: float = 150) -> tuple[subprocess.CompletedProcess, float]:
     command = [sys.executable, str(SCRIPT), "--devices", "2", "--steps", str(STEPS), "--optimizer", "adamw"]
     command += ["--shuffle", "--root", str(root), "--out", str(root / "out"), *extra]
@@ -33,6 +39,9 @@ def _run(root: Path, *extra: str, timeout: float = 150) -> tuple[subprocess.Comp
     elapsed = time.monotonic() - start
     time.sleep(0.3)
     assert wl.processes_mentioning(str(root)) == [], "a worker outlived the run"
+    # Whether it succeeded, restarted, gave up or was ended by the hang watchdog.
+    left = sorted(p.name for p in Path(os.environ["TMPDIR"]).iterdir())
+    assert left == [], f"the run left these in the temporary directory: {left}"
     return done, elapsed
 
 

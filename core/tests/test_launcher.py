@@ -1,9 +1,11 @@
 """Launching and failing: a worker that raises or is killed ends the whole run quickly, the failing rank and
-its traceback reported once, no worker left behind; bad ``stratagem run`` input fails before launching."""
+its traceback reported once, no worker left behind and nothing in the temporary directory (nor after Ctrl-C);
+bad ``stratagem run`` input fails before launching."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,9 +35,10 @@ def _failing_run(tmp_path: Path, how: str) -> tuple[subprocess.CompletedProcess,
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-def test_a_failing_worker_ends_the_run_naming_its_rank(tmp_path: Path) -> None:
+def test_a_failing_worker_ends_the_run_naming_its_rank(tmp_path: Path, temp_dir) -> None:
     raised, raised_s = _failing_run(tmp_path, "raise")
     assert raised.returncode != 0
+    assert temp_dir.left() == [], "the run left these in the temporary directory"
     assert "rank 1" in raised.stderr
     assert raised.stderr.count("RuntimeError: deliberate failure on rank 1") == 1, raised.stderr
     assert raised.stderr.count("Traceback (most recent call last)") == 1, raised.stderr
@@ -46,16 +49,47 @@ def test_a_failing_worker_ends_the_run_naming_its_rank(tmp_path: Path) -> None:
     assert killed.returncode != 0
     assert "rank 1" in killed.stderr and "SIGKILL" in killed.stderr, killed.stderr
     assert killed_s < 60
+    assert temp_dir.left() == [], "the run left these in the temporary directory"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_a_function_raising_in_a_worker_raises_here_with_its_rank() -> None:
+def test_ctrl_c_stops_the_workers_and_leaves_nothing_behind(tmp_path: Path, temp_dir) -> None:
+    """SIGINT to the launching process, as Ctrl-C in a terminal (the workers run in sessions of their own):
+    the agent stops the workers, the script ends with KeyboardInterrupt, and the launch's folder is gone."""
+    root = tmp_path / "interrupted"
+    command = [sys.executable, str(WORKLOADS / "sg_workloads.py"), "--devices", "2", "--steps", "500"]
+    command += ["--step-sleep", "0.1", "--ckpt-every", "1", "--root", str(root)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        # Training is under way on both ranks once a checkpoint is published (a full save gathers from both).
+        while not (root / "run0" / "checkpoints" / "last").is_file():
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    time.sleep(0.5)
+    assert wl.processes_mentioning(str(root)) == [], "a worker outlived the run"
+    assert temp_dir.left() == [], "the run left these in the temporary directory"
+    assert process.returncode == -signal.SIGINT, err[-3000:]
+    assert "KeyboardInterrupt" in err and "SignalException" not in err, err[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_function_raising_in_a_worker_raises_here_with_its_rank(temp_dir) -> None:
     engine = sg.Engine(strategy=wl.GradAverage(), accelerator="cpu", devices=2, timeout=20)
     with pytest.raises(sg.WorkerFailedError) as caught:
         engine.launch(wl.raise_on_rank_one)
     assert caught.value.rank == 1
     assert "ValueError: worker one gives up" in str(caught.value)
+    # Neither the agent's error files nor torch.multiprocessing's pickled traceback of the failed function.
+    assert temp_dir.left() == [], "the launch left these in the temporary directory"
 
 
 def _stratagem(*args: str) -> subprocess.CompletedProcess:

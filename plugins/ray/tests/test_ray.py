@@ -1,6 +1,7 @@
 """The ``ray`` launcher on real Ray clusters (CPU): the same script gives the same parameters as under torch's
 elastic agent; two Ray nodes get one worker each; an existing cluster is used and left running, a local one is
-started and stopped; a killed worker restarts the group; bad input fails before any worker starts.
+started and stopped, leaving nothing in the temporary directory; a killed worker restarts the group; bad input
+fails before any worker starts.
 
 One ``ray start --head`` cluster serves the module (a Ray cluster takes seconds to start); the local-cluster
 and two-node tests start their own.
@@ -12,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -166,12 +168,20 @@ def test_bad_input_fails_before_any_worker_starts(existing_cluster: str, tmp_pat
 
 def test_a_local_cluster_is_started_and_stopped(tmp_path: Path) -> None:
     before = _ray_processes()
-    # Chosen by the environment, as STRATAGEM_STRATEGY chooses a strategy (the script says launcher="auto").
-    done = _run(tmp_path / "local", env={"STRATAGEM_LAUNCHER": "ray"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    time.sleep(1.0)
-    assert _ray_processes() - before == set(), "the local Ray cluster was left running"
-    assert "(rank 0 pid=" in done.stdout + done.stderr, "not run on Ray"
+    # A fresh temporary directory for the run, short enough for Ray's socket paths (at most 107 bytes).
+    temp = Path(tempfile.mkdtemp(prefix="sg-ray-"))
+    env = {"TMPDIR": str(temp), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    try:
+        # Chosen by the environment, as STRATAGEM_STRATEGY chooses a strategy (the script says launcher="auto").
+        done = _run(tmp_path / "local", env={"STRATAGEM_LAUNCHER": "ray", **env})
+        assert done.returncode == 0, done.stderr[-3000:]
+        time.sleep(1.0)
+        assert _ray_processes() - before == set(), "the local Ray cluster was left running"
+        assert "(rank 0 pid=" in done.stdout + done.stderr, "not run on Ray"
+        left = sorted(str(path.relative_to(temp)) for path in temp.rglob("*"))
+        assert left == [], "the run left these in the temporary directory (Ray's session folder)"
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_two_ray_nodes_get_one_worker_each(tmp_path: Path) -> None:

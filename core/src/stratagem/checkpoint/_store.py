@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stratagem.checkpoint import _scratch
 from stratagem.errors import CheckpointError
 
 #: URL scheme -> (the fsspec package that serves it, the stratagem extra that installs it).
@@ -195,17 +195,13 @@ def upload(url: str) -> Iterator[Path]:
     """Yield a local scratch file; on success it becomes the object ``url`` in one upload.
 
     fsspec's ``put_file`` sends a single PUT or a multipart upload completed only at its end (aborted on
-    error), so the object never exists half-written, whatever happens to this process.
+    error), so the object never exists half-written, whatever happens to this process. The scratch file is
+    named after this process, so that a save after this one was killed removes it (see stratagem.checkpoint._scratch).
     """
-    fd, name = tempfile.mkstemp(prefix="stratagem-upload-")
-    os.close(fd)
-    scratch = Path(name)
-    try:
+    with _scratch.file("upload") as scratch:
         yield scratch
         fs, path = filesystem(url)
         fs.put_file(str(scratch), path)
-    finally:
-        scratch.unlink(missing_ok=True)
 
 
 def new_data_prefix() -> str:

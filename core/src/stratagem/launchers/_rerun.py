@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stratagem.checkpoint import _scratch
 from stratagem.errors import ConfigurationError
 
 #: In a re-run worker: the number of the ``launch`` call whose function it runs.
@@ -97,8 +96,7 @@ def send_result(result: Any, call: int) -> None:
 
 def run_script_for(call: int, run_script: Callable[[dict[str, str]], None]) -> Any:
     """Re-run this script in workers (``run_script(env)``) to run launch call ``call``; return rank 0's result."""
-    directory = Path(tempfile.mkdtemp(prefix="stratagem-launch-"))  # private: mode 0700
-    try:
+    with _scratch.folder("launch") as directory:  # private: mode 0700
         for number, result in enumerate(_results, start=1):
             (directory / f"call-{number}.pkl").write_bytes(pickle.dumps(result))
         run_script({CALL_ENV: str(call), RESULTS_ENV: str(directory)})
@@ -111,5 +109,3 @@ def run_script_for(call: int, run_script: Callable[[dict[str, str]], None]) -> A
             )
         with open(produced, "rb") as file:
             return pickle.load(file)  # written by this process's own workers
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)

@@ -19,14 +19,13 @@ import logging
 import os
 import socket
 import sys
-import tempfile
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
+from stratagem.checkpoint import _scratch
 from stratagem.errors import ConfigurationError, WorkerFailedError
 from stratagem.launchers._failures import FAILURE_SUFFIX, describe, lost_peer
 
@@ -156,8 +155,10 @@ def _run(
 
     check_max_restarts(max_restarts)
     rendezvous = _rendezvous(nnodes, node_rank, rdzv_endpoint, run_id, rdzv_configs)
-    with tempfile.TemporaryDirectory(prefix="stratagem-agent-") as scratch:
-        restart_log = Path(scratch) / "restarts.jsonl"
+    # The agent's folder: removed when the run ends however it ends (after the failure records are read, below);
+    # named so that the next launch removes it if this process is killed.
+    with _scratch.folder("agent") as scratch:
+        restart_log = scratch / _agent.RESTART_LOG
         restart_log.touch()
         # The workers share the agent's store, which outlives a restart with the failed attempt's keys; the
         # strategies keep each attempt's keys apart (ClusterEnvironment.restart_count).
@@ -169,7 +170,7 @@ def _run(
                     args=list(args),
                     nproc_per_node=nproc_per_node,
                     max_restarts=max_restarts,
-                    restart_log=restart_log,
+                    scratch=scratch,
                     **rendezvous,
                 )
             except ChildFailedError as error:

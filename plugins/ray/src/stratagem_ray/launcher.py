@@ -19,7 +19,6 @@ checkpoint. Actors' output reaches the driver through Ray, each line led by the 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -28,6 +27,7 @@ from stratagem.errors import ConfigurationError, WorkerFailedError
 from stratagem.hookspecs import hookimpl
 from stratagem.launchers import LaunchJob
 from stratagem.launchers.base import Launcher
+from stratagem_ray import _cluster
 from stratagem_ray._failures import _describe, _root_cause
 from stratagem_ray._worker import _Worker
 
@@ -70,46 +70,21 @@ class RayLauncher(Launcher):
     # the hook --------------------------------------------------------------------------------------------
     @hookimpl
     def launch_workers(self, job: LaunchJob) -> dict[int, Any]:
-        import ray
 
         world = self.num_workers or job.nproc_per_node * job.max_nodes
         per_worker = self.resources_per_worker or (
             {"CPU": 1.0, "GPU": 1.0} if job.accelerator == "cuda" else {"CPU": 1.0}
         )
-        started_here = self._connect(world, per_worker)
+        local = _cluster.connect(self.address, world, per_worker)
         try:
-            _check_resources(world, per_worker)
+            _cluster.check_resources(world, per_worker)
             return self._run(job, world, per_worker)
         finally:
             # Ray's log monitor forwards the workers' output from their log files every so often: give it the
             # time to send the last lines before this driver goes.
             time.sleep(LOG_FLUSH_S)
-            if started_here:
-                ray.shutdown()
-
-    # connecting ------------------------------------------------------------------------------------------
-    def _connect(self, world: int, per_worker: dict[str, float]) -> bool:
-        """Join the cluster to use; True if a local one was started here (and must be stopped)."""
-        import ray
-
-        address = self.address or os.environ.get("RAY_ADDRESS")
-        if ray.is_initialized():
-            return False
-        if address:
-            _check_reachable(address)
-            ray.init(address=address, log_to_driver=True, configure_logging=False)
-            return False
-        cpus = int(max(world * per_worker.get("CPU", 0), os.cpu_count() or 1))
-        # A cluster of this machine alone, on the loopback address.
-        ray.init(
-            address="local",  # a new cluster, even if another runs on this machine
-            num_cpus=cpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
-            _node_ip_address="127.0.0.1",
-        )
-        return True
+            if local is not None:
+                local.stop()
 
     # running ---------------------------------------------------------------------------------------------
     def _run(self, job: LaunchJob, world: int, per_worker: dict[str, float]) -> dict[int, Any]:
@@ -128,7 +103,7 @@ class RayLauncher(Launcher):
                 raise ConfigurationError(
                     f"Ray could not place {world} workers with {per_worker} each within {PLACEMENT_TIMEOUT_S:.0f} s"
                     f"{f' as {world // per_node} nodes of {per_node}' if spread else ''}: the cluster has "
-                    f"{_resources_text()}."
+                    f"{_cluster.resources_text()}."
                 )
             max_failures = job.max_restarts if self.max_failures is None else self.max_failures
             last: WorkerFailedError | None = None
@@ -245,41 +220,3 @@ def _wait(ref: Any, timeout: float) -> bool:
 
     ready, _ = ray.wait([ref], timeout=timeout)
     return bool(ready)
-
-
-def _resources_text() -> str:
-    import ray
-
-    total = ray.cluster_resources()
-    return (
-        ", ".join(f"{value:g} {key}" for key, value in sorted(total.items()) if key in ("CPU", "GPU"))
-        or "nothing"
-    )
-
-
-def _check_resources(world: int, per_worker: dict[str, float]) -> None:
-    import ray
-
-    total = ray.cluster_resources()
-    for key, each in per_worker.items():
-        need = world * each
-        if total.get(key, 0.0) < need:
-            raise ConfigurationError(
-                f"{world} worker(s) with {each:g} {key} each need {need:g} {key}; the Ray cluster has "
-                f"{_resources_text()}. Ask for fewer devices, or give the cluster more."
-            )
-
-
-def _check_reachable(address: str) -> None:
-    """Fail at once, with the address, when nothing listens there (Ray itself would retry for a long time)."""
-    if address == "auto" or "://" in address:
-        return
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5):
-            return
-    except (OSError, ValueError) as error:
-        raise ConfigurationError(
-            f"Ray cluster at {address!r} cannot be reached ({error}). Start one with `ray start --head`, "
-            "set RAY_ADDRESS to a running cluster's head, or leave address unset to start a local cluster."
-        ) from None
