@@ -96,8 +96,8 @@ def _offered() -> list[str]:
 OFFERED = _offered()
 
 #: Per rank, as a share of one whole replica: ``whole`` is all of it; ``split`` about 1/N (at least 1/N, at
-#: most 1/N + 0.01: tensor parallelism leaves the LayerNorms and the row-split layers' biases whole, 0.8 K of
-#: the model's 111.5 K parameters); ``zero`` a ZeRO partition of the optimizer state (the moments' 1/N, with
+#: most 1/N + 0.01: tensor parallelism leaves the LayerNorms and the row-split layers' biases whole, 0.9 K of
+#: the model's 111.7 K parameters); ``zero`` a ZeRO partition of the optimizer state (the moments' 1/N, with
 #: one step counter per flat partition rather than one per tensor, so a hair under 1/N; plus the float32
 #: master partition where DeepSpeed keeps one apart from the model: at most 1.5/N). ``None``: not
 #: promised at this size. DeepSpeed's gradients are partitions plus reduce buckets whose size is its own

@@ -149,8 +149,8 @@ def _report(
     mesh = engine.device_mesh
     layout = None if mesh is None else {"shape": tuple(mesh.shape), "names": tuple(mesh.mesh_dim_names or ())}
     if layout is not None:
-        named = zip(layout["names"], layout["shape"])
-        shown = " x ".join(f"{n} {s}" for n, s in named) if layout["names"] else str(layout["shape"])
+        names = layout["names"] or ("",) * len(layout["shape"])
+        shown = " x ".join(f"{n} {s}".strip() for n, s in zip(names, layout["shape"]))
         trainer.print(f"device mesh: {shown}")
     trainer.print(
         f"held per rank (one whole replica: parameters {_megabytes(replica['parameters']).strip()}, with "

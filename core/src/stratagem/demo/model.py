@@ -35,24 +35,25 @@ class CharWindows(Dataset):
 
 
 class Attention(torch.nn.Module):
-    """Causal self-attention with separate q, k, v projections, so that a column split of each gives every
-    rank whole heads (a fused qkv split by columns would hand one rank all of q and part of k)."""
+    """Causal self-attention with one fused q/k/v projection whose output features are grouped by head
+    (head 0's q, k, v, then head 1's, ...): a split of those features into equal parts, as tensor parallelism
+    makes, hands each rank the q, k and v of whole heads. (Grouped as all q, then all k, then all v, one rank
+    would get all of q and part of k.)"""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         # ``num_heads`` is the name tensor-parallel strategies check for divisibility by their size.
         self.num_heads, self.head_dim = heads, dim // heads
-        self.q = torch.nn.Linear(dim, dim)
-        # No key bias: softmax ignores it (a constant per query), so it would only learn rounding noise.
-        self.k = torch.nn.Linear(dim, dim, bias=False)
-        self.v = torch.nn.Linear(dim, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
         self.out = torch.nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism a rank holds num_heads / tp of them.
-        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).unbind(dim=3)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return self.out(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -91,9 +92,7 @@ class CharLM(sg.Module):
     tp_plan = {
         "tok": "colwise_gather_output",
         "pos": "colwise_gather_output",
-        "blocks.*.attn.q": "colwise",
-        "blocks.*.attn.k": "colwise",
-        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.qkv": "colwise",
         "blocks.*.attn.out": "rowwise",
         "blocks.*.mlp.up": "colwise",
         "blocks.*.mlp.down": "rowwise",
