@@ -22,7 +22,7 @@ __all__ = ["CharLM", "CharWindows", "load_text", "run"]
 
 
 class _GradientBytes:
-    """Counts this rank's gradients where they are whole: after backward, before the optimizer applies them."""
+    """Counts this rank's gradients while they exist: after backward, before the optimizer applies them."""
 
     state_key = "demo-gradient-bytes"
 

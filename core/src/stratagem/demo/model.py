@@ -87,8 +87,8 @@ class CharLM(sg.Module):
     #: How tensor-parallel strategies split it (module-name globs to styles; plain data, read by strategies
     #: that split layers and ignored by the others): attention and MLP column- then row-wise (one all-reduce
     #: each); the embeddings and the head by columns, gathered. The embeddings are split on their features, not
-    #: their rows: a row split's gradient comes back whole on every rank. Only the LayerNorms and the
-    #: row-split layers' biases stay whole on every rank.
+    #: their rows: under torch 2.13 a row-split embedding's gradient comes back whole on every rank. Only the
+    #: LayerNorms and the row-split layers' biases stay whole on every rank.
     tp_plan = {
         "tok": "colwise_gather_output",
         "pos": "colwise_gather_output",
