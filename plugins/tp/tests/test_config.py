@@ -100,6 +100,7 @@ def test_mesh_sizes() -> None:
     config = _config.TPConfig(tensor_parallel_size=2)
     assert _config.mesh_shape(config, 4, 1, two_d=True) == (2, 2)
     assert _config.mesh_shape(_config.TPConfig(), 4, 1, two_d=True) == (1, 4)  # one node: all its ranks
+    assert _config.mesh_shape(_config.TPConfig(), 2, 1, two_d=True) == (1, 2)
     assert _config.mesh_shape(_config.TPConfig(), 8, 2, two_d=True) == (2, 4)  # ranks of one node
     assert _config.mesh_shape(_config.TPConfig(), 6, 1, two_d=False) == (1, 6)
     with pytest.raises(
@@ -124,3 +125,20 @@ def test_options_are_checked_when_the_strategy_is_built() -> None:
     with pytest.raises(ConfigurationError, match="unknown options \\['sharding_strategy'\\]"):
         FSDPTPStrategy(sharding_strategy="FULL_SHARD")
     assert FSDPTPStrategy(reshard_after_forward=False).checkpoint_format == "sharded"
+
+
+def test_fsdp_tp_serves_two_processes_as_a_1_by_2_mesh() -> None:
+    """As hsdp on one node: 2 processes are a valid (dp, tp) = (1, 2) mesh, so `stratagem compare
+    --strategies ...,fsdp_tp --devices 2` and `stratagem demo --strategy fsdp_tp --devices 2` run."""
+    from stratagem import get_registry
+    from stratagem.errors import CapabilityError
+
+    registry = get_registry()
+    assert (
+        registry.check_request("fsdp_tp", accelerator="cpu", precision="32-true", world_size=2).name
+        == "fsdp_tp"
+    )
+    with pytest.raises(CapabilityError, match="world size"):
+        registry.check_request("fsdp_tp", accelerator="cpu", precision="32-true", world_size=1)
+    # The contract suite still certifies it where both the default (1 x 4) and 2 x 2 live.
+    assert FSDPTPStrategy().contract_world_size == 4

@@ -24,6 +24,8 @@ GLOBAL_BATCH = 8
 STEPS = 10
 LR = 1e-2
 MAX_NORM = 1.0
+#: Steps of `stratagem demo` in the 4-process launch (2 before its checkpoint, 2 after).
+DEMO_STEPS = 4
 
 #: A string plan: attention and MLP split Megatron-style, the embedding split on the vocabulary, the untied
 #: head split on its outputs and gathered for the loss. LayerNorms match nothing and stay replicated.
@@ -259,6 +261,7 @@ def _guard(out: dict[str, Any], key: str, function: Any) -> None:
 
 
 def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
+    from stratagem.cli.demo.lm import run as demo
     from stratagem_tp import FSDPTPStrategy
 
     out: dict[str, Any] = {"registered": engine.strategy.registered_name, "world": engine.world_size}
@@ -321,6 +324,14 @@ def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
             lambda p=precision: low_precision(FSDPTPStrategy(plan=PLAN, tensor_parallel_size=2), 4, p),
         )
     _guard(out, "default_mesh", default_size)
+    # The demo as `stratagem demo --strategy fsdp_tp --devices 4` runs it: its model's tp_plan, the 1 x 4 mesh.
+    _guard(
+        out,
+        "demo",
+        lambda: demo(
+            strategy="fsdp_tp", devices=4, steps=DEMO_STEPS, root_dir=workdir + "/demo", progress_bar=False
+        ),
+    )
     out["bad_size"] = error_of(
         lambda: sg.Engine(
             strategy=FSDPTPStrategy(plan=PLAN, tensor_parallel_size=3), accelerator="cpu", devices=4
@@ -410,7 +421,7 @@ def llama_checks(steps: int = 4) -> dict[str, Any]:
 
 
 def two_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
-    from stratagem_tp import TPStrategy
+    from stratagem_tp import FSDPTPStrategy, TPStrategy
 
     out: dict[str, Any] = {"registered": engine.strategy.registered_name, "world": engine.world_size}
 
@@ -431,9 +442,21 @@ def two_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
         run_engine.teardown()
         return result
 
+    def fsdp_tp_one_by_two() -> dict[str, Any]:
+        # The default size on one node of 2: a 1 x 2 mesh (FSDP over one rank, tensor parallel over two).
+        run_engine, model, _, result = run_strategy(FSDPTPStrategy(plan=PLAN), 2)
+        mesh = run_engine.device_mesh
+        result["mesh"] = (tuple(mesh.shape), tuple(mesh.mesh_dim_names))
+        result["placements"] = {
+            clean(n): [str(p) for p in param.placements] for n, param in model.named_parameters()
+        }
+        run_engine.teardown()
+        return result
+
     _guard(out, "string", string_plan)
     _guard(out, "callable", callable_plan)
     _guard(out, "meta_init", meta_init)
+    _guard(out, "fsdp_tp_1x2", fsdp_tp_one_by_two)
     for precision in ("bf16-mixed", "bf16-true"):
         _guard(out, precision, lambda p=precision: low_precision(TPStrategy(plan=PLAN), 2, p))
     _guard(out, "errors_bad_input", bad_input_checks)

@@ -31,6 +31,7 @@ def register_strategies(register: Callable[..., None]) -> None:
         "fsdp_tp",
         "stratagem_tp.strategy:FSDPTPStrategy",
         description="2-D parallelism: FSDP2 over the data-parallel dim x tensor parallel (mesh ('dp', 'tp'))",
-        # A 2-D mesh with both dimensions real needs 2 x 2 processes.
-        capabilities=_capabilities(4),
+        # As hsdp on one node: 2 processes make a 1 x 2 mesh (FSDP over one rank, tensor parallel over two),
+        # which trains like tp and keeps the 2-D layout (and checkpoints) of a larger run.
+        capabilities=_capabilities(2),
     )

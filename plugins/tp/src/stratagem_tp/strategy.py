@@ -273,6 +273,9 @@ class FSDPTPStrategy(TPStrategy):
 
     two_dimensional = True
     _options_name = "FSDPTPStrategy"
+    #: The contract suite certifies at 4 processes: the default on one node (1 x 4) and, with
+    #: tensor_parallel_size=2, a mesh whose both dimensions are real (2 x 2). At 2 both would be 1 x 2.
+    contract_world_size = 4
 
     def shard_data_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
         """``fully_shard`` on the dp mesh: marked (``stratagem.wrap``) and policy-selected units, then the root."""

@@ -10,6 +10,10 @@ Each column is a real multi-process run started by stratagem's launcher; every w
   (the interpreter, torch and the process group are in the baseline, so the difference is what training took);
 - on CUDA ``torch.cuda.max_memory_allocated`` of its device (and the RSS figures too);
 - the time of each step; iterations per second are counted on rank 0 after a few warm-up steps.
+
+Each data-parallel rank draws its own batches of ``--batch-size`` samples (seeded by its place among the
+data-parallel ranks, which the strategy gives as for a sampler); ranks that split layers between them share
+theirs, and the table says how many samples a step covers.
 """
 
 from __future__ import annotations

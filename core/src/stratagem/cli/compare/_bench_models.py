@@ -3,7 +3,9 @@
 A block is LayerNorm, Linear(width -> hidden), GELU, Linear(hidden -> width) with a residual connection, the
 shape of a transformer's feed-forward half. Nearly all parameters sit in the blocks, so the per-rank state of a
 sharding strategy is close to ``1 / world_size`` of a replica's, and each block is its own shard unit
-(``stratagem.wrap``) when the model is built under the strategy's sharded context.
+(``stratagem.wrap``) when the model is built under the strategy's sharded context. The models carry a
+``tp_plan`` (each block's pair of linear layers split by columns then by rows), so that strategies which split
+layers split them; the others ignore it.
 
 A model for ``stratagem compare`` (these, or a class of your own given as ``PATH:Class``) provides:
 
@@ -36,7 +38,11 @@ class ResidualBlock(torch.nn.Module):
 
 
 class ResidualMLP(sg.Module):
-    """``depth`` residual blocks between an input projection and a classifier head."""
+    """``depth`` residual blocks, a final norm and a classifier head."""
+
+    #: Module-name globs to tensor-parallel styles (plain data): ``up`` split on its outputs, ``down`` on its
+    #: inputs, one all-reduce per block. The norms, ``down``'s bias and the small head stay whole.
+    tp_plan = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 
     def __init__(self, width: int, hidden: int, depth: int, classes: int = 16) -> None:
         super().__init__()

@@ -163,8 +163,11 @@ def _measure(column: Column, job: Job) -> dict[str, Any]:
         if callable(getattr(module, "configure_model", None)):
             module.configure_model()
     wrapped, optimizer = engine.setup(module, _make_optimizer(module))
-    generator = torch.Generator().manual_seed(job.seed * 1_000_003 + rank)
-    times, grads = [], 0
+    # Batches follow the data-parallel rank, as a sampler's would: ranks that split layers between them (tensor
+    # parallelism) must compute on the same samples.
+    data = engine.strategy.distributed_sampler_kwargs()
+    generator = torch.Generator().manual_seed(job.seed * 1_000_003 + data["rank"])
+    times, losses, grads = [], [], 0
     for step in range(job.steps):
         batch = _move(module.example_batch(job.batch_size, generator), device)
         start = time.perf_counter()
@@ -179,6 +182,7 @@ def _measure(column: Column, job: Job) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach().float().cpu()))
         _write_progress(progress, str(step + 1))
     engine.barrier("compare-end")
     params = parameter_bytes(wrapped)
@@ -196,7 +200,9 @@ def _measure(column: Column, job: Job) -> dict[str, Any]:
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "cuda_baseline_bytes": baseline_cuda if cuda else None,
         "step_times_s": times,
-        "final_loss": float(loss.detach().float().cpu()),
+        "losses": losses,
+        "final_loss": losses[-1],
+        "samples_per_step": job.batch_size * data["num_replicas"],
         "allocator_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
         "threads": torch.get_num_threads(),
     }

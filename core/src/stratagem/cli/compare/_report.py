@@ -41,8 +41,15 @@ def table_rows(results: Sequence[ColumnResult]) -> list[tuple[str, list[str]]]:
         ("Peak RSS above baseline (MB)", [_mb(r.largest("peak_rss_above_baseline_bytes")) for r in results]),
         (f"  vs {first.column.label}", ratio("peak_rss_above_baseline_bytes")),
         ("Iterations per second", [f"{r.iterations_per_second:.2f}" for r in results]),
+        # Ranks that split layers share their samples, so a step of theirs covers fewer of them.
+        ("Samples per step (all ranks)", [_samples(r) for r in results]),
     ]
     return rows
+
+
+def _samples(result: ColumnResult) -> str:
+    value = result.ranks[0].get("samples_per_step")
+    return "-" if value is None else str(value)
 
 
 def format_table(results: Sequence[ColumnResult], *, model: str, devices: int, steps: int) -> str:
@@ -65,6 +72,7 @@ def format_table(results: Sequence[ColumnResult], *, model: str, devices: int, s
         f"model {model}, {devices} process(es) on {accelerator}, {steps} steps "
         f"(iterations per second after {results[0].warmup} warm-up steps, rank 0).",
         "Memory is per rank (the largest rank's); baseline = RSS after the process group, before the model.",
+        "Each data-parallel rank draws its own batch; ranks that split layers (tensor parallel) share one.",
     ]
     if accelerator == "CPU":
         setting = ", ".join(f"{k}={v}" for k, v in sorted(allocator.items())) or "glibc default"

@@ -1,136 +1,37 @@
-"""The demo: a character-level GPT-style model, trained with a checkpoint half-way and a resume from it."""
+"""The demo: a character-level GPT-style model, trained with a checkpoint half-way and a resume from it, and a
+report of what each rank held (so that a strategy's sharding shows)."""
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 import shutil
 import tempfile
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import stratagem as sg
+from stratagem.cli.compare import gradient_bytes, optimizer_bytes, parameter_bytes
+from stratagem.cli.demo.model import CharLM, CharWindows, load_text, replica_bytes
+from stratagem.strategies.precision import param_dtype
+
+__all__ = ["CharLM", "CharWindows", "load_text", "run"]
 
 
-def load_text() -> str:
-    return resources.files("stratagem.cli.demo").joinpath("corpus.txt").read_text(encoding="utf-8")
+class _GradientBytes:
+    """Counts this rank's gradients while they exist: after backward, before the optimizer applies them."""
 
+    state_key = "demo-gradient-bytes"
 
-class CharWindows(Dataset):
-    """Overlapping windows of ``block + 1`` characters: input and next-character target."""
+    def __init__(self) -> None:
+        self.bytes = 0
 
-    def __init__(self, text: str, block: int, stride: int) -> None:
-        self.vocab = sorted(set(text))
-        index = {ch: i for i, ch in enumerate(self.vocab)}
-        self.ids = torch.tensor([index[ch] for ch in text], dtype=torch.long)
-        self.block, self.stride = block, stride
-
-    def __len__(self) -> int:
-        return (len(self.ids) - self.block - 1) // self.stride + 1
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.ids[i * self.stride : i * self.stride + self.block + 1]
-        return chunk[:-1], chunk[1:]
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = torch.nn.LayerNorm(dim)
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-        self.ln2 = torch.nn.LayerNorm(dim)
-        self.up = torch.nn.Linear(dim, 4 * dim)
-        self.down = torch.nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
-class CharLM(sg.Module):
-    """A small transformer LM. Layers are built in ``configure_model`` so that sharding strategies can build
-    them on the meta device and shard each block (``sg.wrap``)."""
-
-    def __init__(
-        self, vocab: int, block: int = 64, dim: int = 64, layers: int = 2, heads: int = 4, lr: float = 3e-3
-    ):
-        super().__init__()
-        self.config = dict(vocab=vocab, block=block, dim=dim, layers=layers, heads=heads)
-        self.lr = lr
-        self.losses: list[torch.Tensor] = []
-
-    def configure_model(self) -> None:
-        c = self.config
-        self.tok = torch.nn.Embedding(c["vocab"], c["dim"])
-        self.pos = torch.nn.Embedding(c["block"], c["dim"])
-        self.blocks = torch.nn.ModuleList(sg.wrap(Block(c["dim"], c["heads"])) for _ in range(c["layers"]))
-        self.ln = torch.nn.LayerNorm(c["dim"])
-        self.head = torch.nn.Linear(c["dim"], c["vocab"])
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits of every position, as ``(batch * time, vocab)``."""
-        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.blocks:
-            x = block(x)
-        # Flattened before the head, so the result is not a view: FSDP warns about returning one, since an
-        # in-place op on it would skip its pre-backward hook.
-        return self.head(self.ln(x).flatten(0, 1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self(x), y.reshape(-1))
-        self.losses.append(loss.detach())
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x), y.reshape(-1)))
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
-        total = self.__dict__.get("total_steps", 1000)
-        warmup = max(1, total // 20)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            return 0.1 + 0.9 * 0.5 * (
-                1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))
-            )
-
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-        }
-
-
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
-def training_bytes(trainer: sg.Trainer) -> int:
-    """This rank's parameters, their gradients (same size, alive during the step) and optimizer state."""
-    assert trainer.model is not None
-    params = sum(_local_bytes(p) for p in trainer.model.parameters())
-    grads = sum(_local_bytes(p) for p in trainer.model.parameters() if p.requires_grad)
-    state = 0
-    for optimizer in trainer.optimizers:
-        for per_param in optimizer.state.values():
-            state += sum(_local_bytes(v) for v in per_param.values() if isinstance(v, torch.Tensor))
-    return params + grads + state
+    @sg.hookimpl
+    def on_before_optimizer_step(self, trainer: Any, optimizer: Any, step: int) -> None:
+        self.bytes = gradient_bytes(trainer.model, [optimizer])
 
 
 def peak_memory(trainer: sg.Trainer) -> float:
@@ -142,7 +43,8 @@ def peak_memory(trainer: sg.Trainer) -> float:
 
 
 def _megabytes(value: float) -> str:
-    return f"{value / 2**20:8.1f} MB"
+    # Two decimals: the demo's model is small (a replica's parameters are under half a megabyte).
+    return f"{value / 2**20:8.2f} MB"
 
 
 def _root_dir(given: str | None) -> tuple[Path, bool]:
@@ -208,32 +110,70 @@ def run(
     first_losses = list(model.losses)
 
     # A fresh model and Trainer, as a new run would make them: everything comes back from the checkpoint.
-    second = sg.Trainer(max_steps=steps, **common)
+    gradients = _GradientBytes()
+    second = sg.Trainer(max_steps=steps, callbacks=[gradients], **common)
     resumed = CharLM(len(data.vocab))
     resumed.__dict__["total_steps"] = steps
     second.fit(resumed, loader, ckpt_path="last")
     losses = first_losses + list(resumed.losses)
-    return _report(second, losses, root, temporary)
+    dtype = param_dtype(precision) or torch.float32
+    replica = replica_bytes(len(data.vocab), torch.empty((), dtype=dtype).element_size())
+    return _report(second, losses, gradients.bytes, replica, root, temporary)
 
 
-def _report(trainer: sg.Trainer, losses: list[torch.Tensor], root: Path, temporary: bool) -> dict[str, Any]:
+def _report(
+    trainer: sg.Trainer,
+    losses: list[torch.Tensor],
+    gradients: int,
+    replica: dict[str, int],
+    root: Path,
+    temporary: bool,
+) -> dict[str, Any]:
     engine = trainer.engine
+    assert trainer.model is not None
+    held = [
+        parameter_bytes(trainer.model),
+        gradients,
+        optimizer_bytes(trainer.model, trainer.optimizers),
+    ]
     mine = torch.tensor(
-        [losses[0].item(), losses[-1].item(), peak_memory(trainer), float(training_bytes(trainer))],
+        [losses[0].item(), losses[-1].item(), peak_memory(trainer), *held, sum(held)],
         dtype=torch.float64,
         device=engine.device,
     )
     rows = [row.cpu().tolist() for row in engine.all_gather(mine)]
     first = sum(r[0] for r in rows) / len(rows)
     last = sum(r[1] for r in rows) / len(rows)
-    memory_kind = "peak CUDA allocated" if engine.device.type == "cuda" else "peak RSS"
+    whole = sum(replica.values())
     trainer.print(f"loss: first {first:.3f} -> last {last:.3f} (mean over ranks)")
-    trainer.print(f"rank  {memory_kind:>12}  params+grads+optimizer")
+    mesh = engine.device_mesh
+    layout = None if mesh is None else {"shape": tuple(mesh.shape), "names": tuple(mesh.mesh_dim_names or ())}
+    if layout is not None:
+        names = layout["names"] or ("",) * len(layout["shape"])
+        shown = " x ".join(f"{n} {s}".strip() for n, s in zip(names, layout["shape"]))
+        trainer.print(f"device mesh: {shown}")
+    trainer.print(
+        f"held per rank (one whole replica: parameters {_megabytes(replica['parameters']).strip()}, with "
+        f"gradients and AdamW state {_megabytes(whole).strip()}):"
+    )
+    memory_kind = "peak CUDA" if engine.device.type == "cuda" else "peak RSS"
+    columns = ["rank", memory_kind, "parameters", "gradients", "optimizer", "total", "of replica"]
+    trainer.print("  ".join(f"{c:>11}" if i else c for i, c in enumerate(columns)))
     for rank, row in enumerate(rows):
-        trainer.print(f"{rank:>4}  {_megabytes(row[2]):>12}  {_megabytes(row[3]):>21}")
+        cells = [f"{rank:>4}", *(_megabytes(v) for v in row[2:7]), f"{row[6] / whole:10.2f}x"]
+        trainer.print("  ".join(cells))
     engine.barrier("demo-report")
     if temporary and engine.is_global_zero:
         shutil.rmtree(root, ignore_errors=True)
     elif engine.is_global_zero:
         trainer.print(f"checkpoints and metrics.csv: {root}")
-    return {"first_loss": first, "last_loss": last, "ranks": rows, "steps": trainer.global_step}
+    keys = ("first_loss", "last_loss", "peak_memory", "parameters", "gradients", "optimizer", "total")
+    return {
+        "first_loss": first,
+        "last_loss": last,
+        "ranks": [dict(zip(keys, row)) for row in rows],
+        "replica": replica,
+        "losses": [float(loss) for loss in losses],
+        "mesh": layout,
+        "steps": trainer.global_step,
+    }
