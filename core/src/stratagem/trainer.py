@@ -18,7 +18,7 @@ from stratagem import _callbacks, _fit_checks, _restarts, launcher
 from stratagem._logging import MetricStore
 from stratagem._manager import TrainerEventHooks
 from stratagem._model_calls import loss_of, redirected_forward, to_device
-from stratagem._optimizers import Scheduler, parse_optimizers
+from stratagem._optimizers import Scheduler
 from stratagem._options import TrainerOptions
 from stratagem._progress import ProgressBar, format_metrics
 from stratagem._recovery import Recovery
@@ -229,13 +229,18 @@ class Trainer(CheckpointingMixin):
     ) -> None:
         """Train ``model``. ``ckpt_path``: ``None`` (start fresh), ``"last"`` (resume from the newest complete
         checkpoint under ``default_root_dir``, or start fresh if there is none), or a checkpoint's path."""
-        _fit_checks.check_model(model, for_fit=True)
+
+        # Asked only when configure_optimizers gives nothing: it creates the strategy in a launching process.
+        def strategy_optimizer() -> bool:
+            return _fit_checks.provides_optimizer(self.engine.strategy)
+
+        _fit_checks.check_model(model, for_fit=True, strategy_optimizer=strategy_optimizer)
         _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
         if val_dataloaders is not None:
             _fit_checks.check_loader(val_dataloaders, "val_dataloaders")
         _fit_checks.check_ckpt_path(ckpt_path)
         if self.engine.needs_launch:
-            _fit_checks.check_optimizers_before_launch(model)
+            _fit_checks.check_optimizers_before_launch(model, strategy_optimizer)
             self._launch()
         self._setup(model, with_optimizers=True)
         resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
@@ -300,16 +305,13 @@ class Trainer(CheckpointingMixin):
         elif self.options.seed is not None and with_optimizers:
             engine.seed_everything(self.options.seed)
         if with_optimizers and not self.optimizers:
-            if first:
-                optimizers, self.lr_schedulers = parse_optimizers(
-                    model.configure_optimizers(), type(model).__name__
-                )
+            optimizers, self.lr_schedulers = _fit_checks.configured_optimizers(model, engine.strategy)
+            if first and optimizers:
                 self.model, *self.optimizers = engine.setup(model, *optimizers)
             else:
+                if first:  # no optimizer of the module's: the strategy's configuration defines it
+                    self.model = engine.setup_module(model)
                 # Set up by validate() before: optimizers over the wrapped model's parameters.
-                optimizers, self.lr_schedulers = parse_optimizers(
-                    model.configure_optimizers(), type(model).__name__
-                )
                 self.optimizers = engine.setup_optimizers(self.model, *optimizers)
         elif first:
             self.model = engine.setup_module(model)
