@@ -68,7 +68,8 @@ class DeepSpeedConfig:
     Activation checkpointing (``deepspeed.checkpointing.checkpoint`` in the model):
 
     :param partition_activations: keep each checkpointed input partitioned across model-parallel ranks (with
-        no model parallelism: one flat copy, detached from the input).
+        no model parallelism: one flat copy, detached from the input). ``None``: the same as
+        ``cpu_checkpointing``, since DeepSpeed documents CPU checkpointing as moving partitioned activations.
     :param cpu_checkpointing: keep checkpointed inputs in host memory until backward.
     :param contiguous_memory_optimization: copy checkpointed inputs into preallocated buffers (needs
         ``partition_activations`` and ``number_checkpoints``).
@@ -116,9 +117,13 @@ class DeepSpeedConfig:
     single_submit: bool = attrs.field(default=False, validator=o.flag("single_submit"))
     overlap_events: bool = attrs.field(default=True, validator=o.flag("overlap_events"))
     thread_count: int = attrs.field(default=1, converter=_int("thread_count", 1, "1"))
-    pin_memory: bool | None = attrs.field(default=None, validator=o.optional_flag("pin_memory"))
+    pin_memory: bool | None = attrs.field(
+        default=None, validator=o.optional_flag("pin_memory", "pinned on CUDA, not on CPU")
+    )
 
-    partition_activations: bool = attrs.field(default=False, validator=o.flag("partition_activations"))
+    partition_activations: bool | None = attrs.field(
+        default=None, validator=o.optional_flag("partition_activations", "same as cpu_checkpointing")
+    )
     cpu_checkpointing: bool = attrs.field(default=False, validator=o.flag("cpu_checkpointing"))
     contiguous_memory_optimization: bool = attrs.field(
         default=False, validator=o.flag("contiguous_memory_optimization")

@@ -19,7 +19,8 @@ def check_choice(config: DeepSpeedConfig, optimizers: list[Any]) -> bool:
     if own is not None and optimizers:
         raise ConfigurationError(
             f"Two optimizers: the DeepSpeed config has an 'optimizer' section ({own}) and "
-            f"configure_optimizers() returns a {type(optimizers[0]).__name__} (or one was passed to setup()). "
+            f"configure_optimizers() returns one too ({type(optimizers[0]).__name__}; or one was passed to "
+            "setup()). "
             "DeepSpeed drives one. To train with the config's, remove configure_optimizers() (or return None "
             "from it); to train with yours, remove the 'optimizer' section from the DeepSpeed config."
         )

@@ -82,10 +82,10 @@ def flag(name: str):
     return check
 
 
-def optional_flag(name: str):
+def optional_flag(name: str, none_means: str):
     def check(_instance: Any, _attribute: Any, value: Any) -> None:
         if value is not None and not isinstance(value, bool):
-            raise fail(name, value, "use True, False, or None (pinned on CUDA, not on CPU).")
+            raise fail(name, value, f"use True, False, or None ({none_means}).")
 
     return check
 

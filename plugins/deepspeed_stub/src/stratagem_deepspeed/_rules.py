@@ -233,8 +233,11 @@ def _needs(given: dict[str, Any], names: tuple[str, ...], active: bool, what: st
 
 
 def _check_activation_checkpointing(config: DeepSpeedConfig) -> None:
+    partition = (
+        config.cpu_checkpointing if config.partition_activations is None else config.partition_activations
+    )
     if config.contiguous_memory_optimization:
-        if not config.partition_activations:
+        if not partition:
             raise ConfigurationError(
                 "DeepSpeed contiguous_memory_optimization=True needs partition_activations=True: DeepSpeed "
                 "copies the partitioned inputs into the contiguous buffers."

@@ -49,6 +49,7 @@ def build(cfg: DeepSpeedConfig, precision: str, accelerator: str, model_numel: i
             config["activation_checkpointing"] = activation
         if precision == "16-mixed":
             config["fp16"] = fp16_section(cfg)
+    _check_cpu_checkpointing(activation_settings(config), accelerator)
     config["gradient_accumulation_steps"] = 1
     if cfg.logging_level > logging.INFO:
         # DeepSpeed prints its throughput every steps_per_print steps; only when its logging is asked for.
@@ -134,8 +135,9 @@ def aio_section(cfg: DeepSpeedConfig) -> dict[str, Any]:
 
 
 def activation_section(cfg: DeepSpeedConfig) -> dict[str, Any]:
+    partition = cfg.cpu_checkpointing if cfg.partition_activations is None else cfg.partition_activations
     return {
-        "partition_activations": cfg.partition_activations,
+        "partition_activations": partition,
         "contiguous_memory_optimization": cfg.contiguous_memory_optimization,
         "cpu_checkpointing": cfg.cpu_checkpointing,
         "number_checkpoints": cfg.number_checkpoints,
@@ -148,6 +150,18 @@ def activation_settings(config: dict[str, Any]) -> dict[str, Any]:
     """The activation-checkpointing settings of a finished config (DeepSpeed's defaults where it says none)."""
     section = config.get("activation_checkpointing") or {}
     return {key: section.get(key, default) for key, default in ACTIVATION_DEFAULTS.items()}
+
+
+def _check_cpu_checkpointing(settings: dict[str, Any], accelerator: str) -> None:
+    # DeepSpeed 0.19 keeps an unpartitioned input "on the CPU" by moving it there and emptying the original;
+    # where it is in host memory already, the move returns the original itself, and the input is lost.
+    if accelerator == "cpu" and settings["cpu_checkpointing"] and not settings["partition_activations"]:
+        raise ConfigurationError(
+            "DeepSpeed cpu_checkpointing without partition_activations on the CPU accelerator: DeepSpeed 0.19 "
+            "would lose each checkpointed input there (its copy to host memory is no copy when the input is in "
+            "host memory already). Set partition_activations=True (or leave it None), or drop cpu_checkpointing: "
+            "on CPU the activations are in host memory anyway."
+        )
 
 
 def fp16_section(cfg: DeepSpeedConfig) -> dict[str, Any]:
