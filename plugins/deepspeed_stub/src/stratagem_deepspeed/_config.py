@@ -82,15 +82,15 @@ class DeepSpeedConfig:
     :param initial_scale_power: the dynamic scale starts at 2**this.
     :param loss_scale_window: steps without overflow before the dynamic scale grows.
     :param hysteresis: overflows tolerated before the dynamic scale shrinks.
-    :param min_loss_scale: the dynamic scale's floor.
+    :param min_loss_scale: the dynamic scale's floor (an integer, as DeepSpeed 0.19 requires).
 
     Whole config and logging:
 
     :param config: a whole DeepSpeed config (a dict or a JSON file's path). The named options are then not
         applied (the config says everything), and setting one besides is refused; an ``optimizer`` section
         (and a ``scheduler``) replace ``configure_optimizers``.
-    :param logging_level: the level of DeepSpeed's logger; ``logging.INFO`` or lower also lets DeepSpeed print
-        its throughput every ``steps_per_print`` (10) steps.
+    :param logging_level: the level of DeepSpeed's logger; ``logging.INFO`` or lower also has DeepSpeed print
+        its throughput every 10 steps (the config's ``steps_per_print``, if it has one).
     :param logging_batch_size_per_gpu: samples per process per step, from which DeepSpeed computes that
         throughput (its ``train_micro_batch_size_per_gpu``; stratagem default 1).
     """
@@ -139,7 +139,7 @@ class DeepSpeedConfig:
     initial_scale_power: int = attrs.field(default=16, converter=_int("initial_scale_power", 0, "16"))
     loss_scale_window: int = attrs.field(default=1000, converter=_int("loss_scale_window", 1, "1000"))
     hysteresis: int = attrs.field(default=2, converter=_int("hysteresis", 1, "2"))
-    min_loss_scale: float = attrs.field(default=1.0, converter=o.number("min_loss_scale", positive=True))
+    min_loss_scale: int = attrs.field(default=1, converter=_int("min_loss_scale", 1, "1"))
 
     config: dict[str, Any] | None = attrs.field(default=None, converter=o.load_config, repr=False)
     logging_level: int = attrs.field(default=logging.WARNING, converter=o.logging_level)

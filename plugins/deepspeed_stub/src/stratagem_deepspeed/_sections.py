@@ -51,9 +51,9 @@ def build(cfg: DeepSpeedConfig, precision: str, accelerator: str, model_numel: i
             config["fp16"] = fp16_section(cfg)
     _check_cpu_checkpointing(activation_settings(config), accelerator)
     config["gradient_accumulation_steps"] = 1
-    if cfg.logging_level > logging.INFO:
-        # DeepSpeed prints its throughput every steps_per_print steps; only when its logging is asked for.
-        config.setdefault("steps_per_print", 2**62)
+    # DeepSpeed prints its throughput every steps_per_print steps (0.19 defaults to never): every 10 steps when
+    # its logging is asked for, else never.
+    config.setdefault("steps_per_print", 10 if cfg.logging_level <= logging.INFO else 2**62)
     config.setdefault("wall_clock_breakdown", False)
     # The user's optimizer is used as given; DeepSpeed would otherwise refuse optimizers it has not
     # tested with ZeRO, and torch.optim optimizers with offload (it prefers its own compiled CPU Adam).
