@@ -190,6 +190,7 @@ def test_logging_batch_size_and_logging_level(parse: Any) -> None:
         ({"config": {"train_micro_batch_size_per_gpu": 8}, "logging_batch_size_per_gpu": 4}, "Keep one"),
         ({"offload_parameter": True}, "Did you mean 'offload_parameters'?"),
         ({"nvme_pth": "/x"}, "Did you mean 'nvme_path'?"),
+        ({"save_full_weights": False}, "Trainer(checkpoint_format='full')"),
     ],
 )
 def test_bad_values_say_what_to_do(options: dict[str, Any], fragment: str, tmp_path: Path) -> None:

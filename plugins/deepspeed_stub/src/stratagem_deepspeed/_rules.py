@@ -58,10 +58,24 @@ CONFIG_KEYS = {
 }
 
 
+#: Options of the seeds that stratagem spells elsewhere, with where.
+ELSEWHERE = {
+    "save_full_weights": (
+        "stratagem chooses the checkpoint format per save: Trainer(checkpoint_format='full') writes one file of "
+        "whole weights, 'sharded' (the default here) DeepSpeed's directory; engine.save(path, state, "
+        "format=...) likewise"
+    ),
+}
+
+
 def check_names(options: dict[str, Any], accepted: list[str]) -> None:
     for name in options:
         if name in accepted:
             continue
+        if name in ELSEWHERE:
+            raise ConfigurationError(
+                f"DeepSpeedStrategy({name}=...) is not an option here: {ELSEWHERE[name]}."
+            )
         close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.6)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigurationError(

@@ -114,3 +114,16 @@ def configure_activation_checkpointing(deepspeed: Any, settings: dict[str, Any])
         synchronize=bool(settings["synchronize_checkpoint_boundary"]),
         profile=bool(settings["profile"]),
     )
+
+
+def check_async_io() -> None:
+    """NVMe offload runs through DeepSpeed's asynchronous I/O op, which it compiles against libaio."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if builder is None or not builder.is_compatible():
+        raise ConfigurationError(
+            "An 'nvme' offload device needs DeepSpeed's asynchronous I/O op, which needs libaio and its headers; "
+            "they are not found here. Install them (Debian/Ubuntu: apt-get install libaio-dev; RHEL/Fedora: "
+            "yum install libaio-devel), or offload to 'cpu'."
+        )
