@@ -114,9 +114,9 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
         self._deepspeed.init_distributed(
             dist_backend=torch.distributed.get_backend(), dist_init_required=False
         )
-        # What deepspeed.checkpointing.checkpoint does in the user's model is DeepSpeed's module-wide setting.
         if _rules.nvme_paths(self.config):
             _runtime.check_async_io()
+        # What deepspeed.checkpointing.checkpoint does in the user's model is DeepSpeed's module-wide setting.
         settings = _sections.activation_settings(self.deepspeed_config())
         _runtime.configure_activation_checkpointing(self._deepspeed, settings)
 
