@@ -293,8 +293,11 @@ class Engine(Launching, Checkpoints):
         return wrapped
 
     def setup_optimizers(self, model: torch.nn.Module, *optimizers: Any) -> list[StrategyOptimizer]:
-        if not optimizers:
-            raise ConfigurationError("setup_optimizers() needs at least one optimizer.")
+        if not optimizers and not getattr(self.strategy, "provides_optimizer", False):
+            raise ConfigurationError(
+                "setup_optimizers() needs at least one optimizer (none only where the strategy's own "
+                "configuration defines it)."
+            )
         prepared = self._hooks.setup_optimizers(model, list(optimizers))
         return [StrategyOptimizer(opt, self._hooks, model) for opt in prepared]
 

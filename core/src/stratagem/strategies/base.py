@@ -34,6 +34,9 @@ class Strategy(HookObject):
     registered_name: str = ""
     #: The format ``Engine.save`` writes when none is given (``"full"`` or ``"sharded"``).
     checkpoint_format: str = "full"
+    #: True when the strategy's own configuration defines the optimizer: ``setup_optimizers`` then takes an
+    #: empty list and returns it, and ``Trainer.fit`` accepts a module whose ``configure_optimizers`` gives none.
+    provides_optimizer: bool = False
 
     def __init__(self) -> None:
         self.cluster = ClusterEnvironment()

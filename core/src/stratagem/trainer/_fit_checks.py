@@ -3,6 +3,7 @@ to resume from, what ``configure_optimizers`` returns, and that the process can 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,12 @@ from stratagem.trainer._optimizers import parse_optimizers
 from stratagem.trainer.module import Module
 
 
-def check_model(model: Any, *, for_fit: bool) -> None:
+def provides_optimizer(strategy: Any) -> bool:
+    """Whether the strategy's own configuration defines the optimizer (see ``Strategy.provides_optimizer``)."""
+    return bool(getattr(strategy, "provides_optimizer", False))
+
+
+def check_model(model: Any, *, for_fit: bool, strategy_optimizer: Callable[[], bool] = lambda: False) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(
             f"The model is a {type(model).__name__}; give a stratagem.Module (a torch.nn.Module with "
@@ -29,7 +35,7 @@ def check_model(model: Any, *, for_fit: bool) -> None:
             f"{type(model).__name__} has no training_step(batch, batch_idx). Define it to return the loss."
         )
     configure = getattr(type(model), "configure_optimizers", None)
-    if configure is None or configure is Module.configure_optimizers:
+    if (configure is None or configure is Module.configure_optimizers) and not strategy_optimizer():
         raise ConfigurationError(
             f"{type(model).__name__} has no configure_optimizers(). Define it to return an optimizer, a "
             "list of optimizers, or {'optimizer': opt, 'lr_scheduler': scheduler}."
@@ -53,7 +59,7 @@ def check_ckpt_path(ckpt_path: Any) -> None:
         )
 
 
-def check_optimizers_before_launch(model: Module) -> None:
+def check_optimizers_before_launch(model: Module, strategy_optimizer: Callable[[], bool]) -> None:
     """Catch a configure_optimizers that returns nothing before starting workers: build the model on the
     meta device here (this process never trains) and look at what it returns."""
     try:
@@ -62,7 +68,18 @@ def check_optimizers_before_launch(model: Module) -> None:
         result = model.configure_optimizers()
     except Exception:
         return  # something only the workers can do; they check it for real
+    if result is None and strategy_optimizer():
+        return
     parse_optimizers(result, type(model).__name__)
+
+
+def configured_optimizers(model: Module, strategy: Any) -> tuple[list[Any], list[Any]]:
+    """``configure_optimizers``' optimizers and schedulers; none at all when it returns ``None`` and the
+    strategy's own configuration provides the optimizer."""
+    result = model.configure_optimizers()
+    if result is None and provides_optimizer(strategy):
+        return [], []
+    return parse_optimizers(result, type(model).__name__)
 
 
 def check_relaunchable(devices: int) -> None:

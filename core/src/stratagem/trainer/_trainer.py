@@ -26,7 +26,7 @@ from stratagem.trainer._evaluation import Evaluation
 from stratagem.trainer._loop import TrainingLoop
 from stratagem.trainer._metrics import MetricStore
 from stratagem.trainer._model_calls import redirected_forward
-from stratagem.trainer._optimizers import Scheduler, parse_optimizers
+from stratagem.trainer._optimizers import Scheduler
 from stratagem.trainer._options import TrainerOptions
 from stratagem.trainer._progress import ProgressBar
 from stratagem.trainer._recovery import Recovery
@@ -238,13 +238,18 @@ class Trainer(TrainingLoop, Evaluation, CheckpointingMixin):
         """Train ``model``. ``ckpt_path``: ``None`` (start fresh), ``"last"`` (resume from the newest complete
         checkpoint under ``default_root_dir``, or start fresh if there is none), or a checkpoint's path (given a
         run's ``checkpoints/last`` pointer, the checkpoint it names)."""
-        _fit_checks.check_model(model, for_fit=True)
+
+        # Asked only when configure_optimizers gives nothing: it creates the strategy in a launching process.
+        def strategy_optimizer() -> bool:
+            return _fit_checks.provides_optimizer(self.engine.strategy)
+
+        _fit_checks.check_model(model, for_fit=True, strategy_optimizer=strategy_optimizer)
         _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
         if val_dataloaders is not None:
             _fit_checks.check_loader(val_dataloaders, "val_dataloaders")
         _fit_checks.check_ckpt_path(ckpt_path)
         if self.engine.needs_launch:
-            _fit_checks.check_optimizers_before_launch(model)
+            _fit_checks.check_optimizers_before_launch(model, strategy_optimizer)
             self._launch()
         self._setup(model, with_optimizers=True)
         self._batch_size = loader_batch_size(train_dataloaders)
@@ -310,16 +315,13 @@ class Trainer(TrainingLoop, Evaluation, CheckpointingMixin):
         elif self.options.seed is not None and with_optimizers:
             engine.seed_everything(self.options.seed)
         if with_optimizers and not self.optimizers:
-            if first:
-                optimizers, self.lr_schedulers = parse_optimizers(
-                    model.configure_optimizers(), type(model).__name__
-                )
+            optimizers, self.lr_schedulers = _fit_checks.configured_optimizers(model, engine.strategy)
+            if first and optimizers:
                 self.model, *self.optimizers = engine.setup(model, *optimizers)
             else:
+                if first:  # no optimizer of the module's: the strategy's configuration defines it
+                    self.model = engine.setup_module(model)
                 # Set up by validate() before: optimizers over the wrapped model's parameters.
-                optimizers, self.lr_schedulers = parse_optimizers(
-                    model.configure_optimizers(), type(model).__name__
-                )
                 self.optimizers = engine.setup_optimizers(self.model, *optimizers)
         elif first:
             self.model = engine.setup_module(model)

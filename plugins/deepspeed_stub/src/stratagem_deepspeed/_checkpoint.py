@@ -230,7 +230,8 @@ def load_sharded(strategy: Any, path: str | Path, state: dict[str, Any], strict:
                     tag=key,
                     load_module_strict=strict,
                     load_optimizer_states=load_optimizer,
-                    load_lr_scheduler_states=False,
+                    # A scheduler of the DeepSpeed config's own; the Trainer's are plain state entries.
+                    load_lr_scheduler_states=load_optimizer and engine.lr_scheduler is not None,
                     load_module_only=not load_optimizer,
                 )
             if loaded is None:
@@ -315,13 +316,15 @@ def _consolidate_engine(tag_dir: Path, *, with_optimizer: bool) -> tuple[dict[st
         stage, world_size, fp32_groups, paddings = z.parse_optim_states(optim_files, str(tag_dir))
         weights = _merge(z, stage, world_size, fp32_groups, model_states, paddings)
     with weights_only_loads():
-        module_sd = torch.load(model_files[0], map_location="cpu")["module"]
-    ordered = {name: weights[name].clone() for name in module_sd if name in weights}
+        model_file = torch.load(model_files[0], map_location="cpu")
+    ordered = {name: weights[name].clone() for name in model_file["module"] if name in weights}
     if not with_optimizer:
         return ordered, {}
     with weights_only_loads():
         optim = [torch.load(f, map_location="cpu")["optimizer_state_dict"] for f in optim_files]
     optimizer_state = _consolidate_optimizer(z, stage, world_size, optim, model_states, paddings, ordered)
+    if model_file.get("lr_scheduler") is not None:  # the DeepSpeed config's scheduler, as _state keeps it
+        optimizer_state["lr_scheduler"] = model_file["lr_scheduler"]
     return ordered, optimizer_state
 
 

@@ -1,159 +1,168 @@
-"""The options of the DeepSpeed strategies, and the DeepSpeed config they turn into.
+"""The options of the DeepSpeed strategies (names as in the seeds), checked when the strategy is built.
 
-Two ways to configure, as in the seeds: the named options below (each becomes a key of DeepSpeed's
-``zero_optimization`` section), or ``config``, a whole DeepSpeed config (a dict or a JSON file), in which case
-the named options' defaults are not applied. Either way the strategy adds what stratagem owns: the precision
-section from ``precision=``, one micro-batch per ``engine.step`` (stratagem's loop accumulates), and no
-periodic DeepSpeed logging.
+Two ways to configure, as in the seeds: the named options below, which become DeepSpeed's config
+(:mod:`stratagem_deepspeed._sections` writes it), or ``config``, a whole DeepSpeed config (a dict or a JSON
+file), in which case the named options are not applied and setting one is refused. Either way the strategy adds
+what stratagem owns: the precision section from ``precision=``, one micro-batch per ``engine.step``
+(stratagem's loop accumulates), and no periodic DeepSpeed logging unless ``logging_level`` asks for it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from pathlib import Path
 from typing import Any
 
 import attrs
 
-from stratagem.errors import ConfigurationError
+from stratagem_deepspeed import _options as o
+from stratagem_deepspeed import _rules
 
 #: The environment variable naming a DeepSpeed JSON config when the strategy is given none.
 CONFIG_ENV = "STRATAGEM_DEEPSPEED_CONFIG"
-
-#: The stages DeepSpeed's ZeRO offers; 0 is plain data parallelism through DeepSpeed's engine.
-STAGES = (0, 1, 2, 3)
-#: Keys of a user's config that stratagem drives itself; a config that sets them otherwise is refused.
-_OWNED_PRECISION_KEYS = ("fp16", "bf16", "amp", "torch_autocast")
+STAGES = o.STAGES
+load_config = o.load_config
 
 
-def _stage(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value not in STAGES:
-        raise ConfigurationError(f"DeepSpeed stage={value!r}: use one of {', '.join(map(str, STAGES))}.")
-    return value
-
-
-def _bucket(value: Any) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigurationError(
-            f"bucket size {value!r}: give a positive number of elements, e.g. 200_000_000."
-        )
-    return value
-
-
-def _flag(name: str):
-    def check(_instance: Any, _attribute: Any, value: Any) -> None:
-        if not isinstance(value, bool):
-            raise ConfigurationError(f"DeepSpeed {name}={value!r}: use True or False.")
-
-    return check
-
-
-def load_config(value: Any) -> dict[str, Any] | None:
-    """A DeepSpeed config as a dict: ``None``, a dict (copied), or the path of a JSON file."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return json.loads(json.dumps(value)) if _jsonable(value) else dict(value)
-    if isinstance(value, (str, os.PathLike)):
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ConfigurationError(
-                f"DeepSpeed config={os.fspath(value)!r}: no such file. Give a dict or the path of a JSON file."
-            )
-        try:
-            loaded = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise ConfigurationError(f"DeepSpeed config {path}: not readable as JSON: {error}") from error
-        if not isinstance(loaded, dict):
-            raise ConfigurationError(
-                f"DeepSpeed config {path}: the top level is a {type(loaded).__name__}, not an object."
-            )
-        return loaded
-    raise ConfigurationError(
-        f"DeepSpeed config={value!r}: give a dict or the path of a JSON file (a {type(value).__name__} is neither)."
-    )
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def _logging_level(value: Any) -> int:
-    if isinstance(value, str):
-        level = logging.getLevelName(value.upper())
-        if isinstance(level, int):
-            return level
-    elif isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ConfigurationError(
-        f"DeepSpeed logging_level={value!r}: use a logging level such as logging.WARNING or 'INFO'."
-    )
+def _int(name: str, minimum: int, example: str) -> Any:
+    return o.integer(name, minimum, example)
 
 
 @attrs.frozen(kw_only=True)
 class DeepSpeedConfig:
-    """The DeepSpeed strategies' options (names as in the seeds).
+    """The DeepSpeed strategies' options. Defaults are DeepSpeed's own unless said otherwise.
 
-    :param stage: the ZeRO stage: 1 partitions the optimizer state, 2 also the gradients, 3 also the
-        parameters (0: DeepSpeed's engine without partitioning).
-    :param offload_optimizer: keep the optimizer state in CPU memory and step there (stages 1-3).
-    :param offload_parameters: keep the parameters in CPU memory between uses (stage 3 only).
+    ZeRO:
+
+    :param stage: 1 partitions the optimizer state, 2 also the gradients, 3 also the parameters (0: DeepSpeed's
+        engine without partitioning).
     :param allgather_bucket_size: elements gathered at a time after the step (stages 1-2).
     :param reduce_bucket_size: elements reduced at a time during backward.
     :param contiguous_gradients: copy gradients into one buffer as they are reduced (less fragmentation).
     :param overlap_comm: reduce gradients while backward still runs.
-    :param cpu_checkpointing: with DeepSpeed activation checkpointing, keep the checkpoints in CPU memory.
-    :param config: a whole DeepSpeed config (a dict or a JSON file's path); when given, the options above are
-        not applied: the config says everything.
-    :param logging_level: the level of DeepSpeed's own logger.
+    :param sub_group_size: stage 3 steps the optimizer over groups of this many elements (with NVMe offload,
+        the unit swapped in and out).
+
+    Offload (ZeRO-Offload and ZeRO-Infinity):
+
+    :param offload_optimizer: keep the optimizer state out of accelerator memory and step it on the CPU.
+    :param offload_parameters: keep the parameters out of accelerator memory between uses (stage 3).
+    :param offload_optimizer_device: ``"cpu"`` (host memory) or ``"nvme"`` (files under ``nvme_path``).
+    :param offload_params_device: ``"cpu"`` or ``"nvme"``.
+    :param remote_device: where ``zero.Init`` puts each parameter's partition while the model is built (stage
+        3): ``None`` follows ``offload_params_device`` when the parameters are offloaded, else the device.
+    :param nvme_path: an existing, writable directory on a local NVMe drive; DeepSpeed writes its swap files
+        under it. Required by an ``"nvme"`` device, refused without one.
+    :param params_buffer_count: parameter offload to NVMe: buffers in the swap pool.
+    :param params_buffer_size: parameter offload to NVMe: elements per buffer (at least the largest parameter).
+    :param max_in_cpu: parameter offload to NVMe: elements kept in host memory.
+    :param optimizer_buffer_count: optimizer offload to NVMe: buffers in the swap pool (at least the number of
+        tensors per parameter the optimizer keeps: 4 for Adam).
+    :param block_size: NVMe I/O: bytes per request.
+    :param queue_depth: NVMe I/O: requests in flight.
+    :param single_submit: NVMe I/O: submit requests one by one instead of in batches.
+    :param overlap_events: NVMe I/O: overlap submitting requests with waiting for completions.
+    :param thread_count: NVMe I/O: threads per request (DeepSpeed's ``intra_op_parallelism``).
+    :param pin_memory: offload into page-locked host memory (``None``: on CUDA, not on CPU).
+
+    Activation checkpointing (``deepspeed.checkpointing.checkpoint`` in the model):
+
+    :param partition_activations: keep each checkpointed input partitioned across model-parallel ranks (with
+        no model parallelism: one flat copy, detached from the input). ``None``: the same as
+        ``cpu_checkpointing``, since DeepSpeed documents CPU checkpointing as moving partitioned activations.
+    :param cpu_checkpointing: keep checkpointed inputs in host memory until backward.
+    :param contiguous_memory_optimization: copy checkpointed inputs into preallocated buffers (needs
+        ``partition_activations`` and ``number_checkpoints``).
+    :param number_checkpoints: checkpoint calls per forward, which sizes those buffers.
+    :param synchronize_checkpoint_boundary: synchronise the device at the start and end of each checkpoint.
+
+    fp16 loss scaling (``precision="16-mixed"`` only; refused with any other precision):
+
+    :param loss_scale: a fixed loss scale; 0 scales dynamically.
+    :param initial_scale_power: the dynamic scale starts at 2**this.
+    :param loss_scale_window: steps without overflow before the dynamic scale grows.
+    :param hysteresis: overflows tolerated before the dynamic scale shrinks.
+    :param min_loss_scale: the dynamic scale's floor (an integer, as DeepSpeed 0.19 requires).
+
+    Whole config and logging:
+
+    :param config: a whole DeepSpeed config (a dict or a JSON file's path). The named options are then not
+        applied (the config says everything), and setting one besides is refused; an ``optimizer`` section
+        (and a ``scheduler``) replace ``configure_optimizers``.
+    :param logging_level: the level of DeepSpeed's logger; ``logging.INFO`` or lower also has DeepSpeed print
+        its throughput every 10 steps (the config's ``steps_per_print``, if it has one).
+    :param logging_batch_size_per_gpu: samples per process per step, from which DeepSpeed computes that
+        throughput (its ``train_micro_batch_size_per_gpu``; stratagem default 1).
     """
 
-    stage: int = attrs.field(default=2, converter=_stage)
-    offload_optimizer: bool = attrs.field(default=False, validator=_flag("offload_optimizer"))
-    offload_parameters: bool = attrs.field(default=False, validator=_flag("offload_parameters"))
-    allgather_bucket_size: int = attrs.field(default=200_000_000, converter=_bucket)
-    reduce_bucket_size: int = attrs.field(default=200_000_000, converter=_bucket)
-    contiguous_gradients: bool = attrs.field(default=True, validator=_flag("contiguous_gradients"))
-    overlap_comm: bool = attrs.field(default=True, validator=_flag("overlap_comm"))
-    cpu_checkpointing: bool = attrs.field(default=False, validator=_flag("cpu_checkpointing"))
-    config: dict[str, Any] | None = attrs.field(default=None, converter=load_config, repr=False)
-    logging_level: int = attrs.field(default=logging.WARNING, converter=_logging_level)
+    stage: int = attrs.field(default=2, converter=o.stage)
+    allgather_bucket_size: int = attrs.field(default=200_000_000, converter=o.bucket)
+    reduce_bucket_size: int = attrs.field(default=200_000_000, converter=o.bucket)
+    contiguous_gradients: bool = attrs.field(default=True, validator=o.flag("contiguous_gradients"))
+    overlap_comm: bool = attrs.field(default=True, validator=o.flag("overlap_comm"))
+    sub_group_size: int = attrs.field(default=1_000_000_000, converter=_int("sub_group_size", 1, "1e9"))
+
+    offload_optimizer: bool = attrs.field(default=False, validator=o.flag("offload_optimizer"))
+    offload_parameters: bool = attrs.field(default=False, validator=o.flag("offload_parameters"))
+    offload_optimizer_device: str = attrs.field(default="cpu", converter=o.device("offload_optimizer_device"))
+    offload_params_device: str = attrs.field(default="cpu", converter=o.device("offload_params_device"))
+    remote_device: str | None = attrs.field(default=None, converter=o.remote_device)
+    nvme_path: str | None = attrs.field(default=None, converter=o.path)
+    params_buffer_count: int = attrs.field(default=5, converter=_int("params_buffer_count", 1, "5"))
+    params_buffer_size: int = attrs.field(default=100_000_000, converter=_int("params_buffer_size", 1, "1e8"))
+    max_in_cpu: int = attrs.field(default=1_000_000_000, converter=_int("max_in_cpu", 0, "1e9"))
+    optimizer_buffer_count: int = attrs.field(default=4, converter=_int("optimizer_buffer_count", 1, "4"))
+    block_size: int = attrs.field(default=1_048_576, converter=_int("block_size", 1, "1048576"))
+    queue_depth: int = attrs.field(default=8, converter=_int("queue_depth", 1, "8"))
+    single_submit: bool = attrs.field(default=False, validator=o.flag("single_submit"))
+    overlap_events: bool = attrs.field(default=True, validator=o.flag("overlap_events"))
+    thread_count: int = attrs.field(default=1, converter=_int("thread_count", 1, "1"))
+    pin_memory: bool | None = attrs.field(
+        default=None, validator=o.optional_flag("pin_memory", "pinned on CUDA, not on CPU")
+    )
+
+    partition_activations: bool | None = attrs.field(
+        default=None, validator=o.optional_flag("partition_activations", "same as cpu_checkpointing")
+    )
+    cpu_checkpointing: bool = attrs.field(default=False, validator=o.flag("cpu_checkpointing"))
+    contiguous_memory_optimization: bool = attrs.field(
+        default=False, validator=o.flag("contiguous_memory_optimization")
+    )
+    number_checkpoints: int | None = attrs.field(
+        default=None, converter=o.optional_positive("number_checkpoints")
+    )
+    synchronize_checkpoint_boundary: bool = attrs.field(
+        default=False, validator=o.flag("synchronize_checkpoint_boundary")
+    )
+
+    loss_scale: float = attrs.field(default=0.0, converter=o.number("loss_scale", positive=False))
+    initial_scale_power: int = attrs.field(default=16, converter=_int("initial_scale_power", 0, "16"))
+    loss_scale_window: int = attrs.field(default=1000, converter=_int("loss_scale_window", 1, "1000"))
+    hysteresis: int = attrs.field(default=2, converter=_int("hysteresis", 1, "2"))
+    min_loss_scale: int = attrs.field(default=1, converter=_int("min_loss_scale", 1, "1"))
+
+    config: dict[str, Any] | None = attrs.field(default=None, converter=o.load_config, repr=False)
+    logging_level: int = attrs.field(default=logging.WARNING, converter=o.logging_level)
+    logging_batch_size_per_gpu: int = attrs.field(default=1, converter=o.logging_batch_size)
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> DeepSpeedConfig:
+        """Build from keyword options; an unknown name is refused with the closest accepted one."""
+        _rules.check_names(options, option_names())
+        return cls(**options)
 
     def __attrs_post_init__(self) -> None:
         if self.config is not None:
-            self._check_user_config(self.config)
-            return
-        if self.offload_parameters and self.stage != 3:
-            raise ConfigurationError(
-                f"offload_parameters=True with stage={self.stage}: only ZeRO stage 3 partitions (and so can "
-                "offload) the parameters. Use stage=3, or offload_optimizer=True alone."
-            )
-        if self.offload_optimizer and self.stage == 0:
-            raise ConfigurationError(
-                "offload_optimizer=True with stage=0: optimizer offload needs ZeRO (stage 1, 2 or 3)."
-            )
+            _rules.check_user_config(self)
+        else:
+            _rules.check_named_options(self)
 
-    @staticmethod
-    def _check_user_config(config: dict[str, Any]) -> None:
-        gas = config.get("gradient_accumulation_steps", 1)
-        if gas not in (1, "auto"):
-            raise ConfigurationError(
-                f"DeepSpeed config gradient_accumulation_steps={gas!r}: stratagem's loop accumulates (the "
-                "Trainer's accumulate_grad_batches, or several engine.backward calls per optimizer step). "
-                "Remove the key or set it to 1."
-            )
-        zero = config.get("zero_optimization", {})
-        if not isinstance(zero, dict):
-            raise ConfigurationError(f"DeepSpeed config zero_optimization={zero!r}: expected an object.")
-        _stage(zero.get("stage", 0))
+    def non_default(self) -> dict[str, Any]:
+        """The options whose value differs from the default."""
+        return {
+            a.name: getattr(self, a.name)
+            for a in attrs.fields(type(self))
+            if a.name != "config" and getattr(self, a.name) != a.default
+        }
 
     @property
     def zero_stage(self) -> int:
@@ -168,6 +177,21 @@ class DeepSpeedConfig:
         device = self.config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
         return device not in (None, "none")
 
+    @property
+    def config_optimizer(self) -> str | None:
+        """The type named by the user config's ``optimizer`` section, if it has one."""
+        section = (self.config or {}).get("optimizer")
+        if section is None:
+            return None
+        return str(section.get("type", "?")) if isinstance(section, dict) else repr(section)
+
+    @property
+    def config_scheduler(self) -> str | None:
+        section = (self.config or {}).get("scheduler")
+        if section is None:
+            return None
+        return str(section.get("type", "?")) if isinstance(section, dict) else repr(section)
+
     def deepspeed_config(
         self, precision: str, accelerator: str = "cpu", model_numel: int | None = None
     ) -> dict[str, Any]:
@@ -176,64 +200,10 @@ class DeepSpeedConfig:
         :param model_numel: the model's parameter count; the named options' buckets are capped at it (a bucket
             larger than the model holds nothing more, but DeepSpeed allocates it whole).
         """
-        if self.config is not None:
-            config = json.loads(json.dumps(self.config)) if _jsonable(self.config) else dict(self.config)
-            for key in _OWNED_PRECISION_KEYS:
-                section = config.get(key)
-                if isinstance(section, dict) and section.get("enabled") and key != _precision_key(precision):
-                    raise ConfigurationError(
-                        f"DeepSpeed config enables {key!r}, but the run's precision is {precision!r}. Set the "
-                        f"precision instead (precision='bf16-mixed' enables DeepSpeed's bf16, '16-mixed' its "
-                        "fp16) and remove the section."
-                    )
-        else:
-            config = {
-                "zero_optimization": self._zero_section(pin_memory=accelerator == "cuda", cap=model_numel)
-            }
-            if self.cpu_checkpointing:
-                config["activation_checkpointing"] = {
-                    "partition_activations": True,
-                    "cpu_checkpointing": True,
-                }
-        config.setdefault("train_micro_batch_size_per_gpu", 1)
-        config["gradient_accumulation_steps"] = 1
-        config.setdefault("steps_per_print", 2**62)
-        config.setdefault("wall_clock_breakdown", False)
-        # The user's optimizer is used as given; DeepSpeed would otherwise refuse optimizers it has not
-        # tested with ZeRO, and torch.optim optimizers with offload (it prefers its own compiled CPU Adam).
-        # DeepSpeed clips the gradient norm at 1.0 when the config names no `gradient_clipping` (its
-        # GRADIENT_CLIPPING_DEFAULT): a silent change to the user's optimization that no other strategy makes.
-        # Clipping happens when asked (clip_gradients, the Trainer's gradient_clip_val), or by the user's config.
-        config.setdefault("gradient_clipping", 0.0)
-        config.setdefault("zero_allow_untested_optimizer", True)
-        config.setdefault("zero_force_ds_cpu_optimizer", False)
-        key = _precision_key(precision)
-        if key == "bf16":
-            config["bf16"] = {**config.get("bf16", {}), "enabled": True}
-        elif key == "fp16":
-            config["fp16"] = {"initial_scale_power": 16, **config.get("fp16", {}), "enabled": True}
-        return config
+        from stratagem_deepspeed._sections import build
 
-    def _zero_section(self, pin_memory: bool, cap: int | None) -> dict[str, Any]:
-        def capped(size: int) -> int:
-            return size if cap is None else max(1, min(size, cap))
-
-        section: dict[str, Any] = {
-            "stage": self.stage,
-            "contiguous_gradients": self.contiguous_gradients,
-            "overlap_comm": self.overlap_comm,
-            "reduce_bucket_size": capped(self.reduce_bucket_size),
-        }
-        if self.stage in (1, 2):
-            section["allgather_bucket_size"] = capped(self.allgather_bucket_size)
-        if self.stage == 3:
-            section["stage3_prefetch_bucket_size"] = capped(50_000_000)
-        if self.offload_optimizer:
-            section["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
-        if self.offload_parameters:
-            section["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
-        return section
+        return build(self, precision, accelerator, model_numel)
 
 
-def _precision_key(precision: str) -> str | None:
-    return {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16"}.get(precision)
+def option_names() -> list[str]:
+    return [a.name for a in attrs.fields(DeepSpeedConfig)]

@@ -94,3 +94,36 @@ def gathered(params: list[Any], modifier_rank: int | None = None):
 
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank):
         yield
+
+
+def configure_activation_checkpointing(deepspeed: Any, settings: dict[str, Any]) -> None:
+    """Set DeepSpeed's activation checkpointing (what ``deepspeed.checkpointing.checkpoint`` in a model does)
+    from a config's ``activation_checkpointing`` settings.
+
+    Called for every DeepSpeed strategy, with DeepSpeed's defaults where the config says nothing: the settings
+    are module-wide in DeepSpeed, so a run must not inherit those of an earlier one in the same process.
+    """
+    # Contiguous buffers of an earlier run hold its checkpoints; reset() frees them while its setting is on.
+    deepspeed.checkpointing.reset()
+    deepspeed.checkpointing.configure(
+        None,
+        partition_activations=bool(settings["partition_activations"]),
+        contiguous_checkpointing=bool(settings["contiguous_memory_optimization"]),
+        num_checkpoints=settings["number_checkpoints"],
+        checkpoint_in_cpu=bool(settings["cpu_checkpointing"]),
+        synchronize=bool(settings["synchronize_checkpoint_boundary"]),
+        profile=bool(settings["profile"]),
+    )
+
+
+def check_async_io() -> None:
+    """NVMe offload runs through DeepSpeed's asynchronous I/O op, which it compiles against libaio."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if builder is None or not builder.is_compatible():
+        raise ConfigurationError(
+            "An 'nvme' offload device needs DeepSpeed's asynchronous I/O op, which needs libaio and its headers; "
+            "they are not found here. Install them (Debian/Ubuntu: apt-get install libaio-dev; RHEL/Fedora: "
+            "yum install libaio-devel), or offload to 'cpu'."
+        )

@@ -117,7 +117,11 @@ def full_optimizer_state(engine: Any, groups: list[list[tuple[str, Any]]]) -> di
     for group, base_group in zip(groups, base.param_groups):
         hyper = {k: v for k, v in base_group.items() if k != "params"}
         param_groups.append({**hyper, "params": [name for name, _ in group]})
-    return {"state": state, "param_groups": param_groups}
+    result: dict[str, Any] = {"state": state, "param_groups": param_groups}
+    if engine.lr_scheduler is not None:
+        # The DeepSpeed config's scheduler belongs to the engine, not to the Trainer's state: it travels here.
+        result["lr_scheduler"] = engine.lr_scheduler.state_dict()
+    return result
 
 
 def load_full_optimizer_state(
@@ -163,6 +167,8 @@ def load_full_optimizer_state(
         for key, value in saved_group.items():
             if key != "params" and key in base_group:
                 base_group[key] = value
+    if engine.lr_scheduler is not None and saved.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
 
 
 def _prime(

@@ -31,7 +31,7 @@ from stratagem.launchers.cluster import ClusterEnvironment
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.precision import default_dtype, param_dtype
 from stratagem.strategies.torch_distributed import TorchDistributedStrategy
-from stratagem_deepspeed import _runtime, _state
+from stratagem_deepspeed import _optimizers, _rules, _runtime, _sections, _state
 from stratagem_deepspeed._config import CONFIG_ENV, DeepSpeedConfig
 from stratagem_deepspeed._wrappers import (
     DeepSpeedModule,
@@ -45,9 +45,12 @@ from stratagem_deepspeed._wrappers import (
 class DeepSpeedStrategy(TorchDistributedStrategy):
     """DeepSpeed's engine with ZeRO stage 1, 2 or 3, optionally offloading to CPU memory.
 
-    Options keep the seeds' names (see :class:`~stratagem_deepspeed.DeepSpeedConfig`)::
+    Options keep the seeds' names; :class:`~stratagem_deepspeed.DeepSpeedConfig` lists and documents them all
+    (ZeRO, CPU and NVMe offload, activation checkpointing, fp16 loss scaling)::
 
         DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)
+        DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True, offload_params_device="nvme",
+                          offload_optimizer_device="nvme", nvme_path="/local_nvme")
         DeepSpeedStrategy(config="ds_config.json")   # a whole DeepSpeed config; the options are not applied
 
     Without ``config``, the environment variable ``STRATAGEM_DEEPSPEED_CONFIG`` may name a JSON config.
@@ -62,29 +65,23 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
         stage: int = 2,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
-        allgather_bucket_size: int = 200_000_000,
-        reduce_bucket_size: int = 200_000_000,
-        contiguous_gradients: bool = True,
-        overlap_comm: bool = True,
-        cpu_checkpointing: bool = False,
         config: dict[str, Any] | str | os.PathLike[str] | None = None,
         logging_level: int | str = "WARNING",
         process_group_backend: str | None = None,
         timeout: datetime.timedelta | float | None = None,
+        **options: Any,
     ) -> None:
         if config is None and os.environ.get(CONFIG_ENV):
             config = os.environ[CONFIG_ENV]
-        self.config = DeepSpeedConfig(
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
-            allgather_bucket_size=allgather_bucket_size,
-            reduce_bucket_size=reduce_bucket_size,
-            contiguous_gradients=contiguous_gradients,
-            overlap_comm=overlap_comm,
-            cpu_checkpointing=cpu_checkpointing,
-            config=config,
-            logging_level=logging_level,
+        self.config = DeepSpeedConfig.from_options(
+            dict(
+                stage=stage,
+                offload_optimizer=offload_optimizer,
+                offload_parameters=offload_parameters,
+                config=config,
+                logging_level=logging_level,
+                **options,
+            )
         )
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._deepspeed: Any = None
@@ -110,11 +107,18 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
     @hookimpl
     def setup_environment(self, cluster: ClusterEnvironment, precision: str) -> None:
         TorchDistributedStrategy.setup_environment(self, cluster, precision)
+        # Checked where the strategy was built, and here again: a worker may run on another machine.
+        _rules.check_nvme_paths(self.config)
         self._deepspeed = _runtime.import_deepspeed(cluster.accelerator, self.config.logging_level)
         # Reuses the process group made above instead of creating DeepSpeed's own.
         self._deepspeed.init_distributed(
             dist_backend=torch.distributed.get_backend(), dist_init_required=False
         )
+        if _rules.nvme_paths(self.config):
+            _runtime.check_async_io()
+        # What deepspeed.checkpointing.checkpoint does in the user's model is DeepSpeed's module-wide setting.
+        settings = _sections.activation_settings(self.deepspeed_config())
+        _runtime.configure_activation_checkpointing(self._deepspeed, settings)
 
     # model -----------------------------------------------------------------------------------------
     @hookimpl
@@ -134,7 +138,11 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
             return contextlib.nullcontext()
         # No dtype argument: the config's precision section decides it (DeepSpeed 0.19 reads an explicit
         # dtype as bf16 on CPUs without fp16 support).
-        return self._deepspeed.zero.Init(config_dict_or_path=self.deepspeed_config())
+        # With offloaded parameters the config's offload device wins inside zero.Init; remote_device matters
+        # without (the rules refuse the two disagreeing).
+        return self._deepspeed.zero.Init(
+            config_dict_or_path=self.deepspeed_config(), remote_device=self.config.remote_device
+        )
 
     @hookimpl
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -155,30 +163,38 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
     @hookimpl
     def setup_optimizers(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
         wrapper = _wrapper(model)
-        if len(optimizers) != 1:
-            raise ConfigurationError(
-                f"DeepSpeed drives exactly one optimizer per model; got {len(optimizers)}. Put the parameters "
-                "in one optimizer (several parameter groups are fine)."
-            )
         if wrapper.__dict__["engine"] is not None:
             raise ConfigurationError(
                 "This model has its DeepSpeed engine already; set up its optimizer once."
             )
-        optimizer = optimizers[0]
-        if isinstance(optimizer, DeepSpeedOptimizer):
+        if any(isinstance(optimizer, DeepSpeedOptimizer) for optimizer in optimizers):
             raise ConfigurationError(
                 "setup_optimizers: pass the torch optimizer, not the one setup returned."
             )
-        groups = [list(group["params"]) for group in optimizer.param_groups]
+        from_config = _optimizers.check_choice(self.config, optimizers)
+        if from_config:
+            # DeepSpeed builds the config's optimizer (and scheduler) over these parameters.
+            params = _optimizers.trainable(wrapper.module)
+            groups, client = [params], None
+        else:
+            client = optimizers[0]
+            params, groups = None, [list(group["params"]) for group in client.param_groups]
         engine, *_ = self._deepspeed.initialize(
             model=wrapper.module,
-            optimizer=optimizer,
+            optimizer=client,
+            model_parameters=params,
             config=self.deepspeed_config(wrapper.module),
             dist_init_required=False,
         )
         wrapper.__dict__["engine"] = engine
         self._engines.append(engine)
-        return [DeepSpeedOptimizer(engine, optimizer, groups)]
+        return [DeepSpeedOptimizer(engine, client if client is not None else engine.basic_optimizer, groups)]
+
+    @property
+    def provides_optimizer(self) -> bool:
+        """True when the DeepSpeed config has an ``optimizer`` section: the Trainer then trains a module without
+        ``configure_optimizers`` (and ``Engine.setup_optimizers(model)`` takes none) with DeepSpeed's."""
+        return self.config.config_optimizer is not None
 
     @hookimpl
     def backward(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
