@@ -150,6 +150,8 @@ class Engine:
             agent.install_worker_excepthook()
         self._check_devices()
         self.world_size_requested = self._expected_world_size()
+        if self._source == "slurm":
+            agent.set_task_threads(self.accelerator)
         self._addons = tuple(addons)
         self._strategy_info, self._strategy = self._resolve_strategy(strategy)
         self._launcher_choice = launcher
