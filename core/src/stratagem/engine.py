@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -108,6 +108,8 @@ class Engine:
     :param launcher: how workers start when this process must launch them: ``"auto"`` (``STRATAGEM_LAUNCHER``,
         else ``"elastic"``, torch's elastic agent), a registered launcher name (``"ray"`` with stratagem-ray), or
         a ``stratagem.launchers.Launcher`` instance. Checked before anything starts.
+    :param launcher_options: options for the launcher named by ``launcher`` (its constructor's arguments, e.g.
+        ``{"partition": "gpu", "time": "1:00:00"}`` for ``"slurm"``).
     :param addons: add-on plugins (``@hookimpl(wrapper=True)`` around strategy operations) for this engine
         only, registered after the installed ones. They travel to launched workers, so they must pickle.
     """
@@ -123,6 +125,7 @@ class Engine:
         addons: list[object] | tuple[object, ...] = (),
         max_restarts: int = 0,
         launcher: Any = "auto",
+        launcher_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(devices, int) or devices < 1:
             raise ConfigurationError(f"devices={devices!r}: give a positive number of processes per node.")
@@ -138,6 +141,7 @@ class Engine:
             addons=tuple(addons),
             max_restarts=max_restarts,
             launcher=launcher,
+            launcher_options=dict(launcher_options or {}),
         )
         agent.check_max_restarts(max_restarts)
         self.max_restarts = max_restarts
@@ -157,7 +161,7 @@ class Engine:
         self._launcher_choice = launcher
         if self.needs_launch:
             # Checked before anything starts: the name exists, and it can run this request.
-            self._launcher = self._resolve_launcher(launcher)
+            self._launcher = self._resolve_launcher(launcher, dict(launcher_options or {}))
         self._hooks_cache: StrategyHooks | None = None
         if not self.needs_launch:
             # A process that only launches workers never uses the strategy: importing it (a plugin and
@@ -262,11 +266,15 @@ class Engine:
         return None if info is None else info.capabilities
 
     # launching -------------------------------------------------------------------------------------
-    def _resolve_launcher(self, launcher: Any) -> Any:
+    def _resolve_launcher(self, launcher: Any, options: dict[str, Any]) -> Any:
         from stratagem.launchers.base import Launcher
 
         registry = get_registry()
         if isinstance(launcher, Launcher):
+            if options:
+                raise ConfigurationError(
+                    f"launcher_options={options!r} with a Launcher instance: give the options to its constructor."
+                )
             name = launcher.registered_name
             if name is not None and name in registry.launchers:
                 registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
@@ -275,7 +283,10 @@ class Engine:
             raise ConfigurationError(f"launcher={launcher!r}: give a registered name or a Launcher instance.")
         name = os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER if launcher == "auto" else launcher
         info = registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
-        return info.create()
+        try:
+            return info.create(**options)
+        except TypeError as error:  # an option the launcher's constructor does not take
+            raise ConfigurationError(f"launcher_options for launcher {name!r}: {error}.") from error
 
     def _launcher_starts_all_nodes(self) -> bool:
         name = getattr(self._launcher, "registered_name", None)

@@ -68,6 +68,7 @@ class Trainer(CheckpointingMixin):
         written in the background (one at a time; a failure is raised at the next save or at the end of ``fit``,
         which waits for the last one). See docs/checkpoints.md.
     :param launcher: how the workers start (see :class:`~stratagem.Engine`): ``"auto"``, a name, or an instance.
+    :param launcher_options: options for the named launcher (``{"partition": "gpu"}`` for ``"slurm"``).
     :param callbacks: objects whose methods implement Trainer events with ``@stratagem.hookimpl``
         (:mod:`stratagem.callbacks` has ``EarlyStopping``, ``ModelCheckpoint``, ``LearningRateMonitor``,
         ``Throughput``), or names registered by installed plugins. They run in the order given, on every rank.
@@ -103,6 +104,7 @@ class Trainer(CheckpointingMixin):
         checkpoint_every_n_minutes: float | None = None,
         restart_from_scratch: bool = False,
         launcher: Any = "auto",
+        launcher_options: Any = None,
         callbacks: Any = None,
         loggers: Any = None,
         async_checkpoint: bool = False,
@@ -137,6 +139,7 @@ class Trainer(CheckpointingMixin):
             timeout=collective_timeout(timeout),
             max_restarts=max_restarts,
             launcher=launcher,
+            launcher_options=launcher_options,
         )
         launcher_restarts = _restarts.max_restarts()
         if launcher_restarts and not max_restarts:
