@@ -39,7 +39,7 @@ def slurm(slurm_session: slurm_cluster.Cluster, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
     yield cluster
     jobs = cluster.wait_for_empty_queue()
-    processes = cluster.job_processes()
+    processes = cluster.wait_for_job_processes()
     if jobs:
         cluster.run("scancel", "--full", f"--user={os.getuid()}")
         cluster.wait_for_empty_queue()

@@ -57,6 +57,8 @@ class Cluster:
         self.conf = root / "slurm.conf"
         self.env = {"SLURM_CONF": str(self.conf)}
         self._processes: dict[str, subprocess.Popen] = {}
+        # Found once: a test may change PATH (to show what happens without SLURM) before this cluster's checks.
+        self._commands = {c: _find(c) or c for c in (*DAEMONS, *CLIENTS)}
         # munged wants its socket's folder open to all, which pytest's temporary folders are not.
         self.socket_dir = Path(tempfile.mkdtemp(prefix="stratagem-munge-"))
         self.socket_dir.chmod(0o755)
@@ -135,7 +137,7 @@ class Cluster:
         self._start(
             "munged",
             [
-                _find("munged") or "munged",
+                self._commands["munged"],
                 "--foreground",
                 f"--key-file={r / 'munge.key'}",
                 f"--socket={self.socket}",
@@ -145,15 +147,19 @@ class Cluster:
             ],
         )
         self._wait("munged", lambda: self.socket.exists())
-        self._start("slurmctld", [_find("slurmctld") or "slurmctld", "-D", "-f", str(self.conf)])
+        self._start("slurmctld", [self._commands["slurmctld"], "-D", "-f", str(self.conf)])
         self._wait("slurmctld", lambda: self.run("scontrol", "ping").returncode == 0)
-        self._start("slurmd", [_find("slurmd") or "slurmd", "-D", "-f", str(self.conf), "-N", self.node])
+        self._start("slurmd", [self._commands["slurmd"], "-D", "-f", str(self.conf), "-N", self.node])
         self._wait("the node", lambda: self.run("sinfo", "-h", "-o", "%t").stdout.strip() == "idle")
 
     def run(self, *command: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
         """A client command against this cluster."""
         return subprocess.run(
-            list(command), capture_output=True, text=True, timeout=timeout, env={**os.environ, **self.env}
+            [self._commands.get(command[0], command[0]), *command[1:]],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **self.env},
         )
 
     def jobs(self) -> list[str]:
@@ -187,6 +193,14 @@ class Cluster:
             if state != "Z" and int(parent) not in daemons and marker in environ:
                 found.append(f"{entry.name} {command.strip()}")
         return found
+
+    def wait_for_job_processes(self, timeout: float = 15.0) -> list[str]:
+        """Wait for the processes of ended jobs to go; those left. A step's slurmstepd outlives its job by up to
+        ``KillWait`` while it makes sure that every process of the step is gone."""
+        deadline = time.monotonic() + timeout
+        while (left := self.job_processes()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
 
     def logs(self) -> str:
         texts = []
