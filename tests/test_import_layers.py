@@ -19,6 +19,7 @@ PACKAGES = [
     "stratagem_fsdp",
     "stratagem_deepspeed",
     "stratagem_ray",
+    "stratagem_slurm",
     "stratagem_tp",
     "stratagem_localsgd",
 ]

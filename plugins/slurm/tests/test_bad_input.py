@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from stratagem_slurm import SlurmLauncher
-from stratagem_slurm._task import tasks_on_node
 
 import stratagem as sg
 from stratagem._manager import LauncherHooks
 from stratagem.errors import ConfigurationError
 from stratagem.launchers import LaunchJob
+from stratagem_slurm import SlurmLauncher
+from stratagem_slurm._task import tasks_on_node
 
 
 def _job(devices: int = 2, nnodes: int | str = 1) -> LaunchJob:
