@@ -4,6 +4,7 @@ questions about partitions."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from stratagem.errors import ConfigurationError
 from stratagem.launchers import LaunchJob
 from stratagem_slurm import SlurmLauncher
 from stratagem_slurm._task import tasks_on_node
+
+SCRIPT = Path(__file__).resolve().parents[3] / "core" / "tests" / "workloads" / "sg_workloads.py"
 
 
 def _job(devices: int = 2, nnodes: int | str = 1) -> LaunchJob:
@@ -61,6 +64,19 @@ def test_an_unknown_partition_or_more_tasks_than_it_has(slurm, tmp_path: Path) -
     )
     _refused(slurm, folder, SlurmLauncher(folder=folder), _job(devices=1, nnodes=2), "1 of them large enough")
     _refused(slurm, folder, SlurmLauncher(folder=folder), _job(nnodes="1:2"), "a fixed number of nodes")
+
+
+def test_stratagem_run_asks_slurm_for_the_nodes(slurm, tmp_path: Path) -> None:
+    """`stratagem run --launcher slurm --nnodes 2` needs no rendezvous endpoint (one job starts every node);
+    the one-node test partition refuses the request before anything is submitted."""
+    command = [sys.executable, "-m", "stratagem", "run", "--launcher", "slurm", "--nnodes", "2", str(SCRIPT)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert (
+        "2 node(s) x 1 task(s) x 1 CPU(s) per task need 1 CPUs on each of 2 node(s); partition 'debug' has 1 node(s)"
+        in done.stderr
+    ), done.stderr
+    assert slurm.jobs() == [] and not (tmp_path / "stratagem-slurm").exists()
 
 
 def test_no_slurm_reachable_says_what_to_install_or_set(slurm, tmp_path: Path, monkeypatch) -> None:

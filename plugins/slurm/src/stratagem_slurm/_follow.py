@@ -134,6 +134,8 @@ def failure(job_id: str, job_dir: Path, attempts: int, status: int | None) -> Wo
         if detail.startswith("no traceback recorded") and error.rank is not None:
             said = _tail(directory / f"rank-{error.rank}.err")
             detail = f"its error output ended with:\n{said}" if said else "it wrote no error output"
+        if status is None:  # the job was ended from outside: cancelled, out of time
+            detail += f"\nSLURM job {job_id} ended: {_slurm.final_state(job_id)}"
         return WorkerFailedError(error.rank, error.exitcode, f"{detail}{gave_up}")
     ended = _slurm.final_state(job_id)
     batch = _tail(job_dir / BATCH_OUTPUT)
