@@ -72,6 +72,37 @@ def test_the_launcher_contract_certifies_slurm(slurm, tmp_path: Path) -> None:
     assert "test_worker_exception_names_its_rank_and_does_not_hang[slurm]" in cases, cases
 
 
+FUNCTIONS = """
+import stratagem as sg
+
+
+def total(engine, base):
+    import torch
+
+    return {"rank": engine.rank, "sum": engine.all_reduce(torch.tensor([engine.rank + 1.0]), "sum").item() + base}
+
+
+if __name__ == "__main__":
+    engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2, launcher="slurm")
+    print("RESULTS", engine.launch(total, 10), engine.launch(lambda e: e.world_size * 100))
+"""
+
+
+def test_functions_of_a_script_return_rank_0s_result(slurm, tmp_path: Path) -> None:
+    """Engine.launch(fn) from a script: a function of the script itself (unpickled in the tasks as under the
+    elastic launcher, from the script imported as __mp_main__), then a lambda (the tasks re-run the script)."""
+    script = tmp_path / "functions.py"
+    script.write_text(FUNCTIONS)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=170
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # 10 + (1 + 2): rank 0's result of an all_reduce over both tasks; 100 x a world of 2.
+    assert done.stdout.strip() == "RESULTS {'rank': 0, 'sum': 13.0} 200", done.stdout
+    names = sorted(p.name.rsplit("-", 3)[0] for p in (tmp_path / "stratagem-slurm").iterdir())
+    assert names == ["stratagem-functions", "stratagem-functions"], names
+
+
 def test_a_failing_rank_is_named(slurm, tmp_path: Path) -> None:
     raised = run_script(tmp_path / "raise", "--launcher", "slurm", "--fail", "raise", "--fail-rank", "1")
     assert raised.returncode != 0

@@ -111,12 +111,19 @@ def script(request: Request, job_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: What a function job's worker needs of the launching process to unpickle its call (see ``_task.run_call``).
+_PREPARATION_KEYS = ("sys_path", "sys_argv", "dir", "init_main_from_name", "init_main_from_path")
+
+
 def write(request: Request, job_dir: Path, call: tuple | None) -> Path:
     """Write the batch script (and a function job's pickled call) into ``job_dir``; the script's path."""
     import pickle
+    from multiprocessing import spawn
 
     if call is not None:
-        (job_dir / CALL_FILE).write_bytes(pickle.dumps(call))
+        preparation = spawn.get_preparation_data("stratagem-slurm")
+        preparation = {k: v for k, v in preparation.items() if k in _PREPARATION_KEYS}
+        (job_dir / CALL_FILE).write_bytes(pickle.dumps(preparation) + pickle.dumps(call))
     path = job_dir / BATCH_SCRIPT
     path.write_text(script(request, job_dir))
     path.chmod(0o700)

@@ -6,8 +6,10 @@
   own where an uncaught exception is recorded (``DIR/error-RANK.json``, the elastic agent's format); runs
   ``COMMAND`` as a child, passes signals on, and notes how and when it ended in ``DIR/exit-RANK.json``, which
   a worker killed by a signal could not do itself.
-- ``call JOB_DIR``: the worker of a function job: calls the pickled ``(function, args)`` of ``JOB_DIR/call.pkl``;
-  rank 0 writes what it returned to ``JOB_DIR/result.pkl``.
+- ``call JOB_DIR``: the worker of a function job: prepares itself as a process that ``multiprocessing`` spawns
+  (the launching script imported as ``__mp_main__``, so that its functions unpickle, as under the elastic
+  launcher), then calls the pickled ``(function, args)`` of ``JOB_DIR/call.pkl``; rank 0 writes what it
+  returned to ``JOB_DIR/result.pkl``.
 """
 
 from __future__ import annotations
@@ -90,8 +92,11 @@ def run_call(job_dir: Path) -> int:
     from stratagem.launcher import record_exception
 
     try:
-        with open(job_dir / CALL_FILE, "rb") as file:
-            function, args = pickle.load(file)  # written by the launching process of this job
+        from multiprocessing import spawn
+
+        with open(job_dir / CALL_FILE, "rb") as file:  # written by the launching process of this job
+            spawn.prepare(pickle.load(file))
+            function, args = pickle.load(file)
         result = function(*args)
         if os.environ.get("RANK") == "0":
             temporary = job_dir / (RESULT_FILE + ".tmp")

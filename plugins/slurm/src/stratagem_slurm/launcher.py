@@ -199,9 +199,7 @@ def _nodes(job: LaunchJob) -> int:
 
 
 def _default_name(job: LaunchJob) -> str:
-    if job.kind == "script":
-        parts = [p for p in job.command[1:] if not p.startswith("-")]
-        stem = Path(parts[0]).stem if parts else "run"
-    else:
-        stem = getattr(job.function, "__name__", "call")
+    """``stratagem-<script>``: of the script the job re-runs, or of the one that launches the function."""
+    parts = [p for p in job.command[1:] if not p.startswith("-")] if job.kind == "script" else sys.argv[:1]
+    stem = Path(parts[0]).stem if parts and parts[0] else "run"
     return "stratagem-" + re.sub(r"[^A-Za-z0-9_.-]", "_", stem)
