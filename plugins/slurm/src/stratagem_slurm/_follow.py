@@ -21,8 +21,10 @@ from stratagem_slurm import _slurm
 from stratagem_slurm._batch import BATCH_OUTPUT, STATUS_FILE, attempt_dir
 from stratagem_slurm._task import error_file
 
-#: How often the queue is asked about the job (the files are read more often).
+#: How often the queue is asked about the job, at first and at most (the files are read more often; the
+#: status file, not the queue, says when the job is done, so a long job need not ask often).
 QUEUE_POLL_S = 2.0
+QUEUE_POLL_MAX_S = 30.0
 
 
 class _Tail:
@@ -75,11 +77,11 @@ class Follower:
         """Stream until the job is over; the batch script's final status (``None``: the job ended without
         writing one: cancelled, out of time, its node lost)."""
         status = self.job_dir / STATUS_FILE
-        asked = 0.0
+        asked, interval = 0.0, QUEUE_POLL_S
         while not status.exists():
             self.pump()
-            if time.monotonic() - asked >= QUEUE_POLL_S:
-                asked = time.monotonic()
+            if time.monotonic() - asked >= interval:
+                asked, interval = time.monotonic(), min(interval * 1.5, QUEUE_POLL_MAX_S)
                 state, reason = _slurm.state(self.job_id)
                 if state not in _slurm.ACTIVE_STATES and not status.exists():
                     self.pump()
