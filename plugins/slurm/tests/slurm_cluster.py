@@ -53,7 +53,8 @@ class Cluster:
     def __init__(self, root: Path, cpus: int) -> None:
         self.root = root
         self.cpus = cpus
-        self.node = socket.gethostname().split(".")[0]
+        # Named for the loopback, where slurmd is told it runs (-N): a container's host name may not resolve.
+        self.node = "localhost"
         self.conf = root / "slurm.conf"
         self.env = {"SLURM_CONF": str(self.conf)}
         self._processes: dict[str, subprocess.Popen] = {}

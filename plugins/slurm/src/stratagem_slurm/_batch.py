@@ -94,7 +94,10 @@ def script(request: Request, job_dir: Path) -> str:
         *exports,
         f"job_dir={shlex.quote(str(job_dir))}",
         f"export STRATAGEM_MAX_RESTARTS={request.max_restarts}",
-        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        # The first node's address as SLURM reaches it (NodeAddr), its name where none is set.
+        'first_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        'node_addr="$(scontrol show node -o "$first_node" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")"',
+        'export MASTER_ADDR="${node_addr:-$first_node}"',
         "status=1",
         f"for attempt in $(seq 0 {request.max_restarts}); do",
         '  export STRATAGEM_RESTART_COUNT="$attempt"',
