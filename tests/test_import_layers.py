@@ -61,6 +61,7 @@ PLUGIN_LAYERS: dict[str, list[tuple[str, ...]]] = {
     ],
     "stratagem_ray": [("_plugin",), ("_worker", "_failures", "_cluster"), ("launcher",), ("",)],
     "stratagem_tp": [("_plugin",), ("_styles", "_config"), ("_plan",), ("strategy",), ("",)],
+    "stratagem_slurm": [("_plugin",), ("_slurm", "_task"), ("_batch",), ("_follow",), ("launcher",), ("",)],
     "stratagem_localsgd": [("strategy",), ("",)],
 }
 
@@ -70,6 +71,7 @@ PACKAGES = [
     "stratagem_fsdp",
     "stratagem_deepspeed",
     "stratagem_ray",
+    "stratagem_slurm",
     "stratagem_tp",
     "stratagem_localsgd",
 ]

@@ -14,8 +14,8 @@ import pytest
 import stratagem as sg
 from stratagem.engine import LAUNCHER_ENV
 from stratagem.errors import ConfigurationError, UnknownLauncherError
-from stratagem.launchers import ElasticLauncher, LauncherCapabilities
-from stratagem.registry._registry import PluginInfo, Registry
+from stratagem.launchers import ElasticLauncher, Launcher, LauncherCapabilities
+from stratagem.registry._registry import LauncherInfo, PluginInfo, Registry
 
 
 def test_elastic_is_built_in_and_the_default(monkeypatch) -> None:
@@ -81,6 +81,27 @@ def test_capabilities_are_checked_before_anything_starts() -> None:
         register("Bad Name", ElasticLauncher, description="d")
     with pytest.raises(sg.StrategyConflictError):
         register("cpu_only", ElasticLauncher, description="again")
+
+
+class _Tagged(Launcher):
+    def __init__(self, tag: str = "none") -> None:
+        self.tag = tag
+
+
+def test_launcher_options_reach_the_named_launcher(monkeypatch) -> None:
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    plugin = PluginInfo(name="t", distribution="test-launchers", version="0")
+    info = LauncherInfo(
+        name="tagged", factory=_Tagged, description="d", capabilities=LauncherCapabilities(), plugin=plugin
+    )
+    monkeypatch.setitem(sg.get_registry().launchers, "tagged", info)
+    common = dict(strategy="ddp", accelerator="cpu", devices=2, launcher="tagged")
+    trainer = sg.Trainer(**common, launcher_options={"tag": "x"})
+    assert trainer.engine._launcher.tag == "x" and trainer.engine._launcher.registered_name == "tagged"
+    with pytest.raises(ConfigurationError, match=r"launcher_options for launcher 'tagged': .*'tga'"):
+        sg.Engine(**common, launcher_options={"tga": "x"})
+    with pytest.raises(ConfigurationError, match="give the options to its constructor"):
+        sg.Engine(**{**common, "launcher": _Tagged()}, launcher_options={"tag": "x"})
 
 
 def test_elastic_cannot_start_other_nodes_from_one_process() -> None:

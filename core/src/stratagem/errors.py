@@ -31,7 +31,7 @@ class UnknownStrategyError(StratagemError, KeyError):
 
 
 #: Launchers that live in their own distribution, for the hint when one is asked for but not installed.
-KNOWN_LAUNCHER_PACKAGES = {"ray": "stratagem-ray"}
+KNOWN_LAUNCHER_PACKAGES = {"ray": "stratagem-ray", "slurm": "stratagem-slurm"}
 
 
 class UnknownLauncherError(StratagemError, KeyError):

@@ -70,18 +70,21 @@ def dataset(n: int = 96, seed: int = 1234) -> TensorDataset:
 
 
 class Regression(sg.Module):
-    def __init__(self, dropout: float = 0.0, optimizer: str = "sgd", scheduler: bool = False) -> None:
+    def __init__(
+        self, dropout: float = 0.0, optimizer: str = "sgd", scheduler: bool = False, width: int = 32
+    ) -> None:
         super().__init__()
         self.dropout, self.optimizer_name, self.scheduler = dropout, optimizer, scheduler
+        self.width = width
         self.losses: list[float] = []
         self.extra_counter = 0
 
     def configure_model(self) -> None:
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(FEATURES, 32),
+            torch.nn.Linear(FEATURES, self.width),
             torch.nn.Tanh(),
             torch.nn.Dropout(self.dropout),
-            torch.nn.Linear(32, 1),
+            torch.nn.Linear(self.width, 1),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,6 +164,7 @@ def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
         "extra_counter": module.extra_counter,
         "lr": [g["lr"] for g in optimizer.param_groups],
         "world_size": trainer.engine.world_size,
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -225,6 +229,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ckpt-minutes", type=float, default=None)
     p.add_argument("--restart-from-scratch", action="store_true")
     p.add_argument("--async-ckpt", action="store_true", help="Trainer(async_checkpoint=True)")
+    p.add_argument("--width", type=int, default=32, help="hidden units of the model")
+    p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    p.add_argument(
+        "--launcher-options",
+        default=None,
+        help="Trainer(launcher_options=...) as key=value,... (values stay strings)",
+    )
     return p.parse_args(argv)
 
 
@@ -241,6 +252,7 @@ def main(argv: list[str]) -> None:
             num_nodes=args.num_nodes,
             max_steps=args.steps,
             accumulate_grad_batches=accumulate,
+            gradient_clip_val=args.clip,
             # An object-store URL (s3://...) stays a URL; Path() would fold its "//".
             default_root_dir=f"{args.root}/run{i}" if "://" in args.root else Path(args.root) / f"run{i}",
             checkpoint_every_n_steps=args.ckpt_every,
@@ -255,8 +267,11 @@ def main(argv: list[str]) -> None:
             restart_from_scratch=args.restart_from_scratch,
             async_checkpoint=args.async_ckpt,
             launcher=_launcher(args),
+            launcher_options=_launcher_options(args.launcher_options),
         )
-        module = Regression(dropout=args.dropout, optimizer=args.optimizer, scheduler=args.scheduler)
+        module = Regression(
+            dropout=args.dropout, optimizer=args.optimizer, scheduler=args.scheduler, width=args.width
+        )
         if args.fail is not None:
             module.training_step = _failing(module.training_step, trainer, args)  # type: ignore[method-assign]
         if args.step_sleep:
@@ -275,7 +290,8 @@ def main(argv: list[str]) -> None:
         result["strategy"] = trainer.strategy.name
         result["node_id"] = _ray_node_id()
         results.append(result)
-    rank = int(os.environ.get("RANK", "0"))
+    # The engine's rank: under srun only SLURM_PROCID says it.
+    rank = results[-1]["rank"] if results else int(os.environ.get("RANK", "0"))
     if args.out:
         torch.save(results, f"{args.out}.rank{rank}")
 
@@ -286,6 +302,12 @@ def _launcher(args: argparse.Namespace) -> Any:
     from stratagem_ray import RayLauncher
 
     return RayLauncher(max_failures=args.ray_max_failures)
+
+
+def _launcher_options(text: str | None) -> dict[str, str] | None:
+    if not text:
+        return None
+    return dict(item.split("=", 1) for item in text.split(","))
 
 
 def _ray_node_id() -> str | None:

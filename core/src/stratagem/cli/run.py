@@ -80,8 +80,6 @@ def _run(args: argparse.Namespace) -> int:
         if not os.path.isfile(args.script):
             raise ConfigurationError(f"{args.script}: no such script.")
         command = [sys.executable, args.script, *args.args]
-    if max_nodes > 1 and not args.rdzv_endpoint:
-        raise ConfigurationError("--nnodes > 1 needs --rdzv-endpoint host:port (the same on every node).")
     env = {}
     if args.strategy:
         from stratagem.registry._manager import get_registry
@@ -94,7 +92,10 @@ def _run(args: argparse.Namespace) -> int:
 
     accelerator = resolve_accelerator(args.accelerator)
     name = args.launcher or os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER
-    chosen = get_registry().check_launcher(name, accelerator=accelerator, num_nodes=max_nodes).create()
+    info = get_registry().check_launcher(name, accelerator=accelerator, num_nodes=max_nodes)
+    if max_nodes > 1 and not args.rdzv_endpoint and not info.capabilities.starts_all_nodes:
+        raise ConfigurationError("--nnodes > 1 needs --rdzv-endpoint host:port (the same on every node).")
+    chosen = info.create()
     job = LaunchJob(
         kind="script",
         command=command,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ContextManager
 
 import torch
@@ -38,6 +38,8 @@ class Engine(Launching, Checkpoints):
     :param launcher: how workers start when this process must launch them: ``"auto"`` (``STRATAGEM_LAUNCHER``,
         else ``"elastic"``, torch's elastic agent), a registered launcher name (``"ray"`` with stratagem-ray), or
         a ``stratagem.launchers.Launcher`` instance. Checked before anything starts.
+    :param launcher_options: options for the launcher named by ``launcher`` (its constructor's arguments, e.g.
+        ``{"partition": "gpu", "time": "1:00:00"}`` for ``"slurm"``).
     :param addons: add-on plugins (``@hookimpl(wrapper=True)`` around strategy operations) for this engine
         only, registered after the installed ones. They travel to launched workers, so they must pickle.
     """
@@ -53,6 +55,7 @@ class Engine(Launching, Checkpoints):
         addons: list[object] | tuple[object, ...] = (),
         max_restarts: int = 0,
         launcher: Any = "auto",
+        launcher_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(devices, int) or devices < 1:
             raise ConfigurationError(f"devices={devices!r}: give a positive number of processes per node.")
@@ -68,6 +71,7 @@ class Engine(Launching, Checkpoints):
             addons=tuple(addons),
             max_restarts=max_restarts,
             launcher=launcher,
+            launcher_options=dict(launcher_options or {}),
         )
         agent.check_max_restarts(max_restarts)
         self.max_restarts = max_restarts
@@ -80,12 +84,14 @@ class Engine(Launching, Checkpoints):
             agent.install_worker_excepthook()
         self._check_devices()
         self.world_size_requested = self._expected_world_size()
+        if self._source == "slurm":
+            agent.set_task_threads(self.accelerator)
         self._addons = tuple(addons)
         self._strategy_info, self._strategy = self._resolve_strategy(strategy)
         self._launcher_choice = launcher
         if self.needs_launch:
             # Checked before anything starts: the name exists, and it can run this request.
-            self._launcher = self._resolve_launcher(launcher)
+            self._launcher = self._resolve_launcher(launcher, dict(launcher_options or {}))
         self._hooks_cache: StrategyHooks | None = None
         if not self.needs_launch:
             # A process that only launches workers never uses the strategy: importing it (a plugin and

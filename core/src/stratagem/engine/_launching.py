@@ -36,11 +36,15 @@ class Launching:
     def rank(self) -> int:  # the Engine's
         raise NotImplementedError
 
-    def _resolve_launcher(self, launcher: Any) -> Any:
+    def _resolve_launcher(self, launcher: Any, options: dict[str, Any]) -> Any:
         from stratagem.launchers.base import Launcher
 
         registry = get_registry()
         if isinstance(launcher, Launcher):
+            if options:
+                raise ConfigurationError(
+                    f"launcher_options={options!r} with a Launcher instance: give the options to its constructor."
+                )
             name = launcher.registered_name
             if name is not None and name in registry.launchers:
                 registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
@@ -49,7 +53,10 @@ class Launching:
             raise ConfigurationError(f"launcher={launcher!r}: give a registered name or a Launcher instance.")
         name = os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER if launcher == "auto" else launcher
         info = registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
-        return info.create()
+        try:
+            return info.create(**options)
+        except TypeError as error:  # an option the launcher's constructor does not take
+            raise ConfigurationError(f"launcher_options for launcher {name!r}: {error}.") from error
 
     def _launcher_starts_all_nodes(self) -> bool:
         name = getattr(self._launcher, "registered_name", None)

@@ -73,6 +73,30 @@ def worker_environment(
     return env
 
 
+def task_threads(environ: Mapping[str, str] | None = None) -> int:
+    """Compute threads for one task that SLURM started: the CPUs SLURM gave it (``SLURM_CPUS_PER_TASK``), else
+    what the elastic launcher gives each worker when the step's tasks on this node are its workers."""
+    env = os.environ if environ is None else environ
+    given = env.get("SLURM_CPUS_PER_TASK", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    tasks_here = int(env.get("SLURM_NTASKS", "1")) // max(int(env.get("SLURM_NNODES", "1")), 1)
+    return max(1, (os.cpu_count() or 1) // max(tasks_here, 1))
+
+
+def set_task_threads(accelerator: str) -> None:
+    """Under ``srun``, where no stratagem launcher set ``OMP_NUM_THREADS``: set this process's compute threads as
+    the elastic launcher sets a worker's, so that ``srun -n 2 python train.py`` computes what ``python
+    train.py`` with ``devices=2`` computes (torch's default, one thread per core, changes how sums round)."""
+    if accelerator != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = task_threads()
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes this task starts (loader workers)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 @contextlib.contextmanager
 def _quiet_agent() -> Iterator[None]:
     # The agent logs every start and a table per failure; stratagem reports the failure itself, once.

@@ -74,6 +74,7 @@ class Trainer(TrainingLoop, Evaluation, CheckpointingMixin):
         ``accumulate_grad_batches`` so that an optimizer step takes as many samples as in the run that wrote it,
         where a whole number of batches does; ``False`` keeps the script's setting. See docs/fault-tolerance.md.
     :param launcher: how the workers start (see :class:`~stratagem.Engine`): ``"auto"``, a name, or an instance.
+    :param launcher_options: options for the named launcher (``{"partition": "gpu"}`` for ``"slurm"``).
     :param callbacks: objects whose methods implement Trainer events with ``@stratagem.hookimpl``
         (:mod:`stratagem.callbacks` has ``EarlyStopping``, ``ModelCheckpoint``, ``LearningRateMonitor``,
         ``Throughput``), or names registered by installed plugins. They run in the order given, on every rank.
@@ -109,6 +110,7 @@ class Trainer(TrainingLoop, Evaluation, CheckpointingMixin):
         checkpoint_every_n_minutes: float | None = None,
         restart_from_scratch: bool = False,
         launcher: Any = "auto",
+        launcher_options: Any = None,
         callbacks: Any = None,
         loggers: Any = None,
         async_checkpoint: bool = False,
@@ -145,6 +147,7 @@ class Trainer(TrainingLoop, Evaluation, CheckpointingMixin):
             timeout=collective_timeout(timeout),
             max_restarts=max_restarts,
             launcher=launcher,
+            launcher_options=launcher_options,
         )
         launcher_restarts = _restarts.max_restarts()
         if launcher_restarts and not max_restarts:
