@@ -51,9 +51,7 @@ def _is_pp_plan(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)) or not value:
         raise _fail(attribute.name, value, forms)
     flat = all(isinstance(v, str) for v in value)
-    nested = all(
-        isinstance(v, (list, tuple)) and v and all(isinstance(n, str) for n in v) for v in value
-    )
+    nested = all(isinstance(v, (list, tuple)) and v and all(isinstance(n, str) for n in v) for v in value)
     if not (flat or nested):
         raise _fail(attribute.name, value, forms)
 

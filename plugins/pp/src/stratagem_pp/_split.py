@@ -22,6 +22,7 @@ those after the last block to the last.
 from __future__ import annotations
 
 import difflib
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,7 +69,7 @@ def _runs_in_order(module: torch.nn.Module) -> bool:
     return _has_params(module) or not any(True for _ in module.buffers())
 
 
-def _inside(name: str, outer: str) -> bool:
+def inside(name: str, outer: str) -> bool:
     return outer == "" or name == outer or name.startswith(outer + ".")
 
 
@@ -101,7 +102,7 @@ def pieces(model: torch.nn.Module, container: str | None) -> list[str]:
             full = prefix + name
             if container is not None and full == container:
                 found.extend(f"{full}.{n}" for n, _ in child.named_children())
-            elif container is not None and _inside(container, full):
+            elif container is not None and inside(container, full):
                 walk(child, full + ".")
             elif _runs_in_order(child):
                 found.append(full)
@@ -163,11 +164,11 @@ def _from_hf(
     keys = sorted(plan, key=order.__getitem__)
     # Modules with parameters that the plan does not mention run where they are registered.
     for name, module in model.named_modules():
-        covered = any(_inside(name, k) or _inside(k, name) for k in keys)
+        covered = any(inside(name, k) or inside(k, name) for k in keys)
         if name and not covered and _runs_in_order(module):
             keys.append(name)
     keys.sort(key=order.__getitem__)
-    keys = [k for k in keys if not any(k != o and _inside(k, o) for o in keys)]
+    keys = [k for k in keys if not any(k != o and inside(k, o) for o in keys)]
     lists = [k for k in keys if isinstance(names[k], _CONTAINERS)]
     if len(lists) != 1:
         raise ConfigurationError(
@@ -251,7 +252,7 @@ def _from_beginnings(
         )
     _check_count(len(plan), num_stages, source)
     bounds = [*positions, len(ordered)]
-    return [ordered[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [ordered[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -266,7 +267,7 @@ def check(split: Split, model: torch.nn.Module) -> None:
         if not names:
             raise ConfigurationError(f"pp_plan from {split.source}: stage {index} has no module.")
         for name in names:
-            clash = [o for o in owner if _inside(name, o) or _inside(o, name)]
+            clash = [o for o in owner if inside(name, o) or inside(o, name)]
             if clash and owner[clash[0]] != index:
                 raise ConfigurationError(
                     f"pp_plan from {split.source}: {name!r} (stage {index}) overlaps {clash[0]!r} (stage "
@@ -277,7 +278,7 @@ def check(split: Split, model: torch.nn.Module) -> None:
     for name, module in model.named_modules():
         if not _own_params(module):
             continue
-        stages = {i for o, i in owner.items() if _inside(name, o)}
+        stages = {i for o, i in owner.items() if inside(name, o)}
         if not stages:
             uncovered.append(name or "<the model itself>")
         for pname, param in module.named_parameters(recurse=False):
