@@ -42,13 +42,12 @@ class Pipeline:
         device: torch.device,
         stage_ranks: dict[int, int],
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
         self.split, self.schedule_name, self.local = split, schedule, local
         self.microbatches, self.group, self.device = microbatches, group, device
         num_stages = split.num_stages
+        stage_class = _stage_class()
         self.stages = [
-            PipelineStage(view, index, num_stages, device, group=group) for index, view in zip(local, views)
+            stage_class(view, index, num_stages, device, group=group) for index, view in zip(local, views)
         ]
         self.has_first = 0 in local
         self.has_last = num_stages - 1 in local
@@ -130,3 +129,24 @@ class Pipeline:
 
     def clear(self) -> None:
         self.stages, self.schedule = [], None
+
+
+def _stage_class() -> type:
+    """torch's ``PipelineStage``, with the forward-only run of the V schedules (``zbv_zero_bubble``,
+    ``dual_pipe_v``) fixed: their action lists keep the backward actions in ``eval``, and the hand-over of input
+    gradients between the two stages a rank holds asserts that there is a backward (torch 2.13). Without a
+    backward there is nothing to hand over."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def get_local_bwd_output(self, mb_index: int) -> Any:
+            if not self.has_backward:
+                return ()
+            return super().get_local_bwd_output(mb_index)
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            if not self.has_backward:
+                return
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    return Stage
