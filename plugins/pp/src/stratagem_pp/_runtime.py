@@ -55,7 +55,6 @@ class Pipeline:
         self.last_rank = dist.get_global_rank(group, stage_ranks[num_stages - 1])
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._scale = 1.0
-        self._losses: list[torch.Tensor] = []
         self.schedule = _schedules.build(schedule, self.stages, microbatches, self._schedule_loss)
 
     def _schedule_loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -69,7 +68,6 @@ class Pipeline:
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                 + "; return the mean loss of the micro-batch as a scalar tensor."
             )
-        self._losses.append(loss.detach())
         return loss * self._scale if self._scale != 1.0 else loss
 
     def _begin(self, inputs: tuple[Any, ...], loss_fn: Any, scale: float) -> int:
@@ -81,7 +79,7 @@ class Pipeline:
         if not isinstance(first, torch.Tensor):
             raise ConfigurationError("the first input must be a tensor whose first dimension is the batch.")
         _config.check_batch(self.microbatches, first.shape[0])
-        self._loss_fn, self._scale, self._losses = loss_fn, scale, []
+        self._loss_fn, self._scale = loss_fn, scale
         return first.shape[0]
 
     def train_step(
@@ -94,11 +92,12 @@ class Pipeline:
         """Forward and backward of every micro-batch; gradients accumulate in the stages' parameters (those
         of ``scale`` times the batch's mean loss)."""
         self._begin(inputs, loss_fn, scale)
+        losses: list[torch.Tensor] = []
         try:
-            outputs = self.schedule.step(*inputs, target=targets, losses=None)
+            outputs = self.schedule.step(*inputs, target=targets, losses=losses)
         finally:
             self._loss_fn = None
-        return StepResult(loss=self._mean_loss(), outputs=outputs)
+        return StepResult(loss=self._mean_loss(losses, scale), outputs=outputs)
 
     def eval_step(
         self,
@@ -109,21 +108,23 @@ class Pipeline:
         """Forward only; the loss when ``loss_fn`` and ``targets`` are given."""
         wanted = loss_fn is not None and targets is not None
         batch = self._begin(inputs, loss_fn if wanted else None, 1.0)
+        losses: list[torch.Tensor] = []
         if targets is None:
             # The schedule cuts a target for the last stage whatever happens; give it one to cut.
             targets = torch.zeros(batch, device=self.device)
         try:
             with torch.no_grad():
-                outputs = self.schedule.eval(*inputs, target=targets)
+                outputs = self.schedule.eval(*inputs, target=targets, losses=losses)
         finally:
             self._loss_fn = None
-        return StepResult(loss=self._mean_loss() if wanted else None, outputs=outputs)
+        return StepResult(loss=self._mean_loss(losses, 1.0) if wanted else None, outputs=outputs)
 
-    def _mean_loss(self) -> torch.Tensor:
-        value = torch.zeros((), dtype=torch.float32, device=self.device)
+    def _mean_loss(self, losses: list[torch.Tensor], scale: float) -> torch.Tensor:
+        # The schedule records what the loss function returned, the scaled loss (and, on the first step, not
+        # the values met while it inferred the stages' shapes).
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.has_last:
-            value = torch.stack(self._losses).float().mean()
-        self._losses = []
+            value = torch.stack([loss.detach() for loss in losses]).double().mean() / scale
         dist.broadcast(value, src=self.last_rank, group=self.group)
         return value
 
