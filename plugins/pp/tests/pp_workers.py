@@ -200,7 +200,8 @@ def train(
         losses.append(float(engine.all_reduce(result.loss, "mean")))
     first_inputs, first_targets = (data if data is not None else batches())[0]
     per = first_inputs.shape[0] // dp
-    evaluated = s.eval_step((first_inputs[:per],), first_targets[:per], loss)
+    mine = slice(dp_rank * per, (dp_rank + 1) * per)
+    evaluated = s.eval_step((first_inputs[mine],), first_targets[mine], loss)
     out = {
         "params": gathered_params(holder),
         "norms": norms,
