@@ -135,7 +135,7 @@ def reference(model: torch.nn.Module | None = None, data: list | None = None, lo
 
 def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest difference of any parameter, relative to that parameter's largest magnitude."""
-    assert sorted(a) == sorted(b), (sorted(set(a) ^ set(b)))
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
     return max(float((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max()) for k in a)
 
 
@@ -312,7 +312,9 @@ def two_process_checks(engine: sg.Engine) -> dict[str, Any]:
         key = f"{schedule}/{spr}"
         guard(out, key, lambda s=schedule, r=spr: train(PPStrategy(schedule=s, stages_per_rank=r), 2))
     guard(out, "meta_init", lambda: train(PPStrategy(), 2, empty_init=True))
-    guard(out, "llama", lambda: train(PPStrategy(), 2, model_fn=make_llama, data=llama_data(), loss=llama_loss))
+    guard(
+        out, "llama", lambda: train(PPStrategy(), 2, model_fn=make_llama, data=llama_data(), loss=llama_loss)
+    )
 
     def bad_batch() -> str | None:
         e = sg.Engine(strategy=PPStrategy(microbatches=3), accelerator="cpu", devices=2)

@@ -285,7 +285,7 @@ def check(split: Split, model: torch.nn.Module) -> None:
             holders.setdefault(id(param), []).append((f"{name}.{pname}" if name else pname, stages))
     if uncovered:
         raise ConfigurationError(
-            f"pp_plan from {split.source}: the modules {uncovered} hold parameters but belong to no stage. Name "
+            f"pp_plan from {split.source}: the modules {_outermost(uncovered, model)} hold parameters but belong to no stage. Name "
             "them in a stage (a parameter of the model itself must move into a submodule to be split)."
         )
     for users in holders.values():
@@ -296,6 +296,23 @@ def check(split: Split, model: torch.nn.Module) -> None:
                 "weights). Untie it (tie_word_embeddings=False for Hugging Face models) or put those modules in "
                 "one stage."
             )
+
+
+def _outermost(names: list[str], model: torch.nn.Module) -> list[str]:
+    """``names`` grouped under their outermost module whose parameters are all among them (for messages)."""
+    missing = set(names)
+    holding = [n for n, m in model.named_modules() if n and _own_params(m)]
+    out: list[str] = []
+    for name in names:
+        parts, best = name.split("."), name
+        for i in range(1, len(parts)):
+            prefix = ".".join(parts[:i])
+            if all(n in missing for n in holding if inside(n, prefix)):
+                best = prefix
+                break
+        if best not in out:
+            out.append(best)
+    return out
 
 
 def _check_names(plan: Sequence[str], names: dict[str, Any], source: str) -> None:

@@ -11,9 +11,12 @@ Two objects come out of :func:`build`:
   Calling a view runs the model's own ``forward`` over that stage only. The strategy shards and compiles views;
   the holder sees the same parameters.
 
-A ``Skipped`` module returns its first argument, so a forward written as a chain (``x = block(x)``) runs a stage
-unchanged: on a later stage the embedding passes the hidden states through, and a removed head returns them to
-the next stage. It is also falsy, so a forward may test ``if self.pos_embed:`` for modules that do not chain.
+Blocks of other stages are removed from their container (its other entries keep their names), so a forward that
+loops over the container (``for block in self.blocks``) runs this stage's blocks; index the container by
+position and it fails. Other modules of other stages become :class:`Skipped`, which returns its first argument:
+a forward written as a chain (``x = self.embed(x)``, ..., ``self.head(x)``) runs a stage unchanged, the
+embedding of a later stage passing the hidden states through and a removed head returning them to the next
+stage. ``Skipped`` is falsy, so a forward may test ``if self.pos_embed:`` for modules that do not chain.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from stratagem.errors import ConfigurationError
@@ -70,22 +74,32 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
-def _carve(
-    module: torch.nn.Module, keep: set[str], above: set[str], placed: set[str], prefix: str, in_place: bool
-) -> torch.nn.Module:
-    """``module`` with what is not in ``keep`` replaced by ``Skipped``; modules on the way (``above``) are
-    copied (a view) or changed in place (the holder). A module without parameters that no stage owns (a
-    rotary embedding, an activation between layers of no stage) is shared by every stage."""
+@attrs.frozen
+class _Cut:
+    keep: set[str]  # the stage's modules
+    above: set[str]  # the modules on the way to them
+    placed: set[str]  # every stage's modules
+    containers: set[str]  # the block containers
+
+
+def _carve(module: torch.nn.Module, cut: _Cut, prefix: str, in_place: bool) -> torch.nn.Module:
+    """``module`` with what another stage owns taken out; modules on the way are copied (a view) or changed in
+    place (the holder). Blocks of other stages leave their container, so that a loop over it runs this
+    stage's blocks only (and whatever the loop does around each); other modules become ``Skipped``. A module
+    without parameters that no stage owns (a rotary embedding) is shared by every stage."""
     target = module if in_place else _shallow(module)
+    in_container = prefix.removesuffix(".") in cut.containers
     for name, child in list(module._modules.items()):
         if child is None:
             continue
         full = prefix + name
-        if full in keep:
+        if full in cut.keep:
             target._modules[name] = child
-        elif full in above:
-            target._modules[name] = _carve(child, keep, above, placed, full + ".", in_place)
-        elif _has_params(child) or full in placed:
+        elif full in cut.above:
+            target._modules[name] = _carve(child, cut, full + ".", in_place)
+        elif in_container and full in cut.placed:
+            del target._modules[name]
+        elif _has_params(child) or full in cut.placed:
             target._modules[name] = Skipped(full)
     return target
 
@@ -95,19 +109,18 @@ def build(
 ) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     """``(holder, views)`` for the stages ``local`` of this rank (see the module docstring)."""
     placed = {name for stage in split.stages for name in stage}
+    containers = {b.rsplit(".", 1)[0] if "." in b else "" for b in split.blocks}
+
+    def cut(keep: set[str]) -> _Cut:
+        return _Cut(keep=keep, above=ancestors(keep), placed=placed, containers=containers)
+
     views = []
     for index in local:
-        keep = set(split.stages[index])
-        view = _carve(model, keep, ancestors(keep), placed, "", in_place=False)
+        view = _carve(model, cut(set(split.stages[index])), "", in_place=False)
         _return_tensors(view)
         views.append(view)
-    keep = {name for index in local for name in split.stages[index]}
-    holder = _carve(model, keep, ancestors(keep), placed, "", in_place=True)
+    holder = _carve(model, cut({n for index in local for n in split.stages[index]}), "", in_place=True)
     return holder, views
-
-
-def owned_modules(view: torch.nn.Module, split: Split, index: int) -> list[torch.nn.Module]:
-    return [view.get_submodule(name) for name in split.stages[index]]
 
 
 # -------------------------------------------------------------------------------------------------
