@@ -216,6 +216,7 @@ def train(
         "mesh": (tuple(s.device_mesh.shape), tuple(s.device_mesh.mesh_dim_names)),
         "sampler": s.distributed_sampler_kwargs(),
         "microbatches": s.microbatches,
+        "checkpointed": s.applied["checkpointed"],
     }
     engine.teardown()
     return out
@@ -320,9 +321,14 @@ def two_process_checks(engine: sg.Engine) -> dict[str, Any]:
         e = sg.Engine(strategy=PPStrategy(microbatches=3), accelerator="cpu", devices=2)
         e.setup_module(make_model())
         inputs, targets = batches()[0]
-        message = error_of(lambda: e.strategy.train_step((inputs,), targets, loss_fn))
+        holder = e.strategy.applied["holder"]
+        messages = {
+            "batch": error_of(lambda: e.strategy.train_step((inputs,), targets, loss_fn)),
+            "call": error_of(lambda: holder(inputs)),
+            "backward": error_of(lambda: e.backward(torch.zeros((), requires_grad=True), holder)),
+        }
         e.teardown()
-        return message
+        return messages
 
     guard(out, "bad_batch", bad_batch)
     out["too_many_stages"] = error_of(
@@ -341,6 +347,12 @@ def four_process_checks(engine: sg.Engine) -> dict[str, Any]:
     guard(out, "pp4/interleaved_1f1b", lambda: train(PPStrategy(schedule="interleaved_1f1b"), 4))
     guard(out, "pp_fsdp", lambda: train(PPFSDPStrategy(pipeline_parallel_size=2), 4))
     guard(out, "pp_fsdp_meta", lambda: train(PPFSDPStrategy(pipeline_parallel_size=2), 4, empty_init=True))
+    guard(
+        out,
+        "pp_fsdp_checkpointing",
+        lambda: train(PPFSDPStrategy(schedule="zero_bubble", activation_checkpointing_policy={Block}), 4),
+    )
+    guard(out, "pp_fsdp_resharding", lambda: train(PPFSDPStrategy(reshard_after_forward=True), 4))
     guard(
         out,
         "pp_fsdp_tp",

@@ -79,6 +79,13 @@ def test_micro_batch_rules_of_the_schedules() -> None:
     assert _config.microbatches_for(PPConfig(schedule="zbv_zero_bubble"), 2) == 4
 
 
+def test_split_backward_schedules_keep_fsdp_parameters_gathered() -> None:
+    for schedule in ("zero_bubble", "zbv_zero_bubble", "dual_pipe_v"):
+        with pytest.raises(ConfigurationError, match="reshard_after_forward=False"):
+            PPFSDPStrategy(schedule=schedule, reshard_after_forward=True)
+    PPFSDPStrategy(schedule="1f1b", reshard_after_forward=True)
+
+
 def test_micro_batches_must_divide_the_batch() -> None:
     with pytest.raises(
         ConfigurationError, match=r"microbatches=4 does not divide .* of 6 samples.*\[1, 2, 3, 6\]"

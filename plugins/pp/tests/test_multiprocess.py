@@ -111,6 +111,18 @@ def test_pp_fsdp_2x2_shards_each_stage(run4: dict, ref: dict) -> None:
     assert sorted(result["units"][0]) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
 
 
+def test_activation_checkpointing_per_stage(run4: dict, ref: dict) -> None:
+    # Recomputed blocks (checkpoint wrappers inside each stage's FSDP units), zero bubble's split backward.
+    result = _ok(run4, "pp_fsdp_checkpointing")
+    _matches(result, ref)
+    assert result["checkpointed"] == 4  # rank 0: stages 0 and 2 of 4, two blocks each
+    assert sorted(result["units"][0]) == ["blocks.0", "blocks.1"]
+
+
+def test_pp_fsdp_resharding_after_forward_with_1f1b(run4: dict, ref: dict) -> None:
+    _matches(_ok(run4, "pp_fsdp_resharding"), ref)
+
+
 def test_pp_fsdp_tp_2x1x2_splits_tensors_in_each_stage(run4: dict, ref: dict) -> None:
     result = _ok(run4, "pp_fsdp_tp")
     _matches(result, ref)
@@ -141,8 +153,12 @@ def test_hf_llama_splits_by_its_own_plan(run2: dict) -> None:
 
 
 def test_bad_input_is_refused_before_training(run2: dict, run4: dict) -> None:
-    assert "microbatches=3 does not divide the per-process batch of 8" in _ok(run2, "bad_batch")
-    assert "[1, 2, 4, 8]" in _ok(run2, "bad_batch")
+    bad = _ok(run2, "bad_batch")
+    assert "microbatches=3 does not divide the per-process batch of 8" in bad["batch"]
+    assert "[1, 2, 4, 8]" in bad["batch"]
+    # The pruned model is not the whole model: calling it, or backward outside the schedule, is refused.
+    for misuse in ("call", "backward"):
+        assert "runs forward and backward of every micro-batch inside its schedule" in bad[misuse]
     message = run2["too_many_stages"]
     assert "16 pipeline stages" in message and "8 blocks in 'blocks'" in message
     assert "pipeline_parallel_size=3 does not divide the world size 4" in run4["bad_size"]

@@ -96,7 +96,8 @@ class PPConfig:
         ``base_model_pp_plan``, else an even split of the repeated blocks by parameter count.
     :param activation_checkpointing_policy: submodules of each stage whose activations backward recomputes.
     :param auto_wrap_policy: FSDP units of each stage (default: the stage's blocks); the stage is the root unit.
-    :param reshard_after_forward: FSDP2's option for every unit.
+    :param reshard_after_forward: FSDP2's option for every unit. Default False (torchtitan's choice under a
+        pipeline): with True each micro-batch's forward and backward gathers the parameters again.
     :param mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` (default: from the precision).
     :param tp_plan: ``pp_fsdp_tp``: the tensor-parallel plan (stratagem-tp's forms); default: the model's
         ``tp_plan``.
@@ -136,6 +137,17 @@ class PPConfig:
         # The micro-batch rules need the pipeline size, known here only if given.
         pp = self.pipeline_parallel_size
         _schedules.check_placement(self.schedule, self.resolved_stages_per_rank)
+        if self.reshard_after_forward and _schedules.SCHEDULES[self.schedule].splits_backward:
+            # Measured: FSDP2 frees a unit's gathered parameters between the input-gradient and the
+            # weight-gradient halves of the split backward, and the weight gradients come out wrong.
+            raise _fail(
+                "reshard_after_forward",
+                True,
+                f"schedule {self.schedule!r} computes weight gradients after the rest of the backward, which needs "
+                "each stage's gathered parameters kept from forward to then. Use reshard_after_forward=False "
+                "(the default here) or a schedule without split backward: gpipe, 1f1b, interleaved_1f1b, "
+                "looped_bfs.",
+            )
         if pp is not None and self.microbatches is not None:
             _schedules.check(self.schedule, pp, self.resolved_stages_per_rank, self.microbatches)
 

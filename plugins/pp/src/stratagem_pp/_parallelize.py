@@ -76,9 +76,12 @@ def shard(
         policy = Policy("predicate", lambda m: id(m) in ids, "the stage's blocks")
     units = _wrap.select_units(view, policy)
     kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy}
-    _wrap.shard_units(units, kwargs, True if reshard_after_forward is None else reshard_after_forward)
+    # Kept gathered from forward to backward by default: a pipeline runs many micro-batches through a stage,
+    # and the zero-bubble schedules need the parameters until the weight gradients (see PPConfig).
+    reshard = False if reshard_after_forward is None else reshard_after_forward
+    _wrap.shard_units(units, kwargs, reshard)
     names = {id(m): n for n, m in view.named_modules()}
-    _wrap.shard_root(view, kwargs, reshard_after_forward)
+    _wrap.shard_root(view, kwargs, reshard)
     return [names[id(u)] for u in units]
 
 

@@ -22,6 +22,8 @@ class ScheduleInfo:
     torch_class: str  # in torch.distributed.pipelining.schedules
     placement: str  # "single" | "loop" | "v"
     description: str
+    #: Backward split into input gradients, then weight gradients later (zero bubble).
+    splits_backward: bool = False
 
 
 #: Every schedule torch 2.13 offers, under the names stratagem accepts.
@@ -39,11 +41,22 @@ SCHEDULES: dict[str, ScheduleInfo] = {
             "ScheduleInterleavedZeroBubble",
             "loop",
             "interleaved, weight gradients deferred into the bubble (ZB1P)",
+            splits_backward=True,
         ),
         ScheduleInfo(
-            "zbv_zero_bubble", "ScheduleZBVZeroBubble", "v", "zero bubble on a V of two stages per rank"
+            "zbv_zero_bubble",
+            "ScheduleZBVZeroBubble",
+            "v",
+            "zero bubble on a V of two stages per rank",
+            splits_backward=True,
         ),
-        ScheduleInfo("dual_pipe_v", "ScheduleDualPipeV", "v", "DualPipeV: a V of two stages per rank"),
+        ScheduleInfo(
+            "dual_pipe_v",
+            "ScheduleDualPipeV",
+            "v",
+            "DualPipeV: a V of two stages per rank",
+            splits_backward=True,
+        ),
     )
 }
 

@@ -184,6 +184,7 @@ class PPStrategy(TorchDistributedStrategy):
             stage_ranks=_schedules.stage_ranks(schedule, sizes.pp, spr),
         )
         self.applied.update(holder=holder, views=views)
+        holder.register_forward_pre_hook(_refuse_whole_model_call)
         return holder
 
     def check_tensor_parallel(self, model: torch.nn.Module) -> tuple[str, Any] | None:
@@ -258,6 +259,10 @@ class PPStrategy(TorchDistributedStrategy):
         return total
 
     @hookimpl
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
+        raise ConfigurationError(_OWN_STEP)
+
+    @hookimpl
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
         # The schedule reduces a stage's gradients at the end of each step; accumulation across steps adds to
         # the reduced gradients, which stays exact (see docs/pp-design.md for skipping that reduction).
@@ -270,6 +275,18 @@ class PPStrategy(TorchDistributedStrategy):
             self.pipeline.clear()
         self.pipeline, self.applied, self._device_mesh = None, {}, None
         TorchDistributedStrategy.teardown(self)
+
+
+_OWN_STEP = (
+    "a pipeline strategy runs forward and backward of every micro-batch inside its schedule: call "
+    "strategy.train_step(inputs, targets, loss_fn) (eval_step for forward only). The model returned by setup "
+    "holds this rank's stages only, so calling it, or engine.backward on a loss of it, cannot work; the "
+    "Trainer drives pipelines once the step hooks of docs/pp-design.md exist."
+)
+
+
+def _refuse_whole_model_call(module: torch.nn.Module, args: Any) -> None:
+    raise ConfigurationError(_OWN_STEP)
 
 
 class PPFSDPStrategy(PPStrategy):
