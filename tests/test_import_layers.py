@@ -62,6 +62,14 @@ PLUGIN_LAYERS: dict[str, list[tuple[str, ...]]] = {
     "stratagem_ray": [("_plugin",), ("_worker", "_failures", "_cluster"), ("launcher",), ("",)],
     "stratagem_tp": [("_plugin",), ("_styles", "_config"), ("_plan",), ("strategy",), ("",)],
     "stratagem_slurm": [("_plugin",), ("_slurm", "_task"), ("_batch",), ("_follow",), ("launcher",), ("",)],
+    "stratagem_pp": [
+        ("_plugin",),
+        ("_schedules", "_split"),
+        ("_config", "_stage"),
+        ("_materialize", "_parallelize", "_runtime"),
+        ("strategy",),
+        ("",),
+    ],
     "stratagem_localsgd": [("strategy",), ("",)],
 }
 
@@ -74,6 +82,7 @@ PACKAGES = [
     "stratagem_slurm",
     "stratagem_tp",
     "stratagem_localsgd",
+    "stratagem_pp",
 ]
 
 

@@ -1,0 +1,153 @@
+"""One rank's running pipeline: its ``PipelineStage`` objects, the schedule over them, and the two ways a
+batch goes through it (forward and backward of every micro-batch, or forward only).
+
+The schedule is built once with a loss function that reads the current step's (``loss_fn`` and scale), so
+that training and evaluation share one schedule and its communication set-up. Losses exist on the rank of the
+last stage only; both steps broadcast their mean over the micro-batches to every rank of the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from stratagem.errors import ConfigurationError
+from stratagem_pp import _config, _schedules
+from stratagem_pp._split import Split
+
+
+@attrs.define
+class StepResult:
+    """What one batch gave: the mean loss over its micro-batches (on every rank of the pipeline; ``None``
+    without a loss function) and the last stage's outputs (on its rank only, else ``None``)."""
+
+    loss: torch.Tensor | None
+    outputs: Any = None
+
+
+class Pipeline:
+    def __init__(
+        self,
+        *,
+        split: Split,
+        schedule: str,
+        local: list[int],
+        views: list[torch.nn.Module],
+        microbatches: int,
+        group: Any,
+        device: torch.device,
+        stage_ranks: dict[int, int],
+    ) -> None:
+        self.split, self.schedule_name, self.local = split, schedule, local
+        self.microbatches, self.group, self.device = microbatches, group, device
+        num_stages = split.num_stages
+        stage_class = _stage_class()
+        self.stages = [
+            stage_class(view, index, num_stages, device, group=group) for index, view in zip(local, views)
+        ]
+        self.has_first = 0 in local
+        self.has_last = num_stages - 1 in local
+        # The global rank holding the last stage, in this rank's pipeline group.
+        self.last_rank = dist.get_global_rank(group, stage_ranks[num_stages - 1])
+        self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+        self._scale = 1.0
+        self.schedule = _schedules.build(schedule, self.stages, microbatches, self._schedule_loss)
+
+    def _schedule_loss(self, output: Any, target: Any) -> torch.Tensor:
+        if self._loss_fn is None:
+            # Forward only without a loss: the schedule still asks for one on the last stage.
+            return torch.zeros((), device=self.device)
+        loss = self._loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ConfigurationError(
+                f"the loss function returned {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                + "; return the mean loss of the micro-batch as a scalar tensor."
+            )
+        return loss * self._scale if self._scale != 1.0 else loss
+
+    def _begin(self, inputs: tuple[Any, ...], loss_fn: Any, scale: float) -> int:
+        if not isinstance(inputs, tuple):
+            raise ConfigurationError(
+                f"inputs must be a tuple of the model's positional arguments; got {type(inputs)}"
+            )
+        first = inputs[0] if inputs else None
+        if not isinstance(first, torch.Tensor):
+            raise ConfigurationError("the first input must be a tensor whose first dimension is the batch.")
+        _config.check_batch(self.microbatches, first.shape[0])
+        self._loss_fn, self._scale = loss_fn, scale
+        return first.shape[0]
+
+    def train_step(
+        self,
+        inputs: tuple[Any, ...],
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        scale: float = 1.0,
+    ) -> StepResult:
+        """Forward and backward of every micro-batch; gradients accumulate in the stages' parameters (those
+        of ``scale`` times the batch's mean loss)."""
+        self._begin(inputs, loss_fn, scale)
+        losses: list[torch.Tensor] = []
+        try:
+            outputs = self.schedule.step(*inputs, target=targets, losses=losses)
+        finally:
+            self._loss_fn = None
+        return StepResult(loss=self._mean_loss(losses, scale), outputs=outputs)
+
+    def eval_step(
+        self,
+        inputs: tuple[Any, ...],
+        targets: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    ) -> StepResult:
+        """Forward only; the loss when ``loss_fn`` and ``targets`` are given."""
+        wanted = loss_fn is not None and targets is not None
+        batch = self._begin(inputs, loss_fn if wanted else None, 1.0)
+        losses: list[torch.Tensor] = []
+        if targets is None:
+            # The schedule cuts a target for the last stage whatever happens; give it one to cut.
+            targets = torch.zeros(batch, device=self.device)
+        try:
+            with torch.no_grad():
+                outputs = self.schedule.eval(*inputs, target=targets, losses=losses)
+        finally:
+            self._loss_fn = None
+        return StepResult(loss=self._mean_loss(losses, 1.0) if wanted else None, outputs=outputs)
+
+    def _mean_loss(self, losses: list[torch.Tensor], scale: float) -> torch.Tensor:
+        # The schedule records what the loss function returned, the scaled loss (and, on the first step, not
+        # the values met while it inferred the stages' shapes).
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.has_last:
+            value = torch.stack([loss.detach() for loss in losses]).double().mean() / scale
+        dist.broadcast(value, src=self.last_rank, group=self.group)
+        return value
+
+    def clear(self) -> None:
+        self.stages, self.schedule = [], None
+
+
+def _stage_class() -> type:
+    """torch's ``PipelineStage``, with the forward-only run of the V schedules (``zbv_zero_bubble``,
+    ``dual_pipe_v``) fixed: their action lists keep the backward actions in ``eval``, and the hand-over of input
+    gradients between the two stages a rank holds asserts that there is a backward (torch 2.13). Without a
+    backward there is nothing to hand over."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def get_local_bwd_output(self, mb_index: int) -> Any:
+            if not self.has_backward:
+                return ()
+            return super().get_local_bwd_output(mb_index)
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            if not self.has_backward:
+                return
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    return Stage
