@@ -6,6 +6,8 @@
 - Configuration classes are ``attrs`` classes, whose ``__init__`` attrs writes at run time: static analysis
   sees none, so their ``:param:`` lines would match no signature. The extension gives each one the
   ``__init__`` attrs would make (its options, in order, with their defaults).
+- The house documents a constant with a ``#:`` comment above it (as Sphinx's autodoc reads them); Griffe reads
+  docstrings only, so those comments become the attribute's docstring.
 - Each hook spec is labelled with its pluggy options (``firstresult``, ``historic``).
 """
 
@@ -22,7 +24,7 @@ _ROLE = re.compile(r":(?:py:)?[a-z]+:`(~?)([^`<>]+?)`")
 _LITERAL_INTRO = re.compile(r"(\S)::[ \t]*$", re.MULTILINE)
 _HOOKSPEC_OPTIONS = ("firstresult", "historic", "warn_on_impl")
 _ATTRS_CLASS_DECORATORS = ("attrs.define", "attrs.frozen", "attrs.mutable", "attr.s", "attr.attrs")
-_ATTRS_FIELDS = ("attrs.field", "attr.ib", "attr.attrib", "attrs.field")
+_ATTRS_FIELDS = ("attrs.field", "attr.ib", "attr.attrib")
 
 
 def _qualify(target: str, obj: griffe.Object) -> str:
@@ -87,9 +89,13 @@ def _attrs_parameters(cls: griffe.Class, kw_only: bool) -> list[griffe.Parameter
         keyword_only = kw_only or (field is not None and str(field.get("kw_only", "False")) == "True")
         parameters.append(
             griffe.Parameter(
-                str(field.get("alias", name)).strip("'\"") if field and "alias" in field else name.lstrip("_"),
+                str(field.get("alias", name)).strip("'\"")
+                if field and "alias" in field
+                else name.lstrip("_"),
                 annotation=member.annotation,
-                kind=griffe.ParameterKind.keyword_only if keyword_only else griffe.ParameterKind.positional_or_keyword,
+                kind=griffe.ParameterKind.keyword_only
+                if keyword_only
+                else griffe.ParameterKind.positional_or_keyword,
                 default=default,
                 docstring=member.docstring,
             )
@@ -112,16 +118,43 @@ def _set_attrs_init(cls: griffe.Class) -> None:
     parameters.extend(_attrs_parameters(cls, kw_only))
     self_parameter = griffe.Parameter("self", kind=griffe.ParameterKind.positional_or_keyword)
     init = griffe.Function(
-        "__init__", lineno=0, endlineno=0, parent=cls, parameters=griffe.Parameters(self_parameter, *parameters)
+        "__init__",
+        lineno=0,
+        endlineno=0,
+        parent=cls,
+        parameters=griffe.Parameters(self_parameter, *parameters),
     )
     cls.set_member("__init__", init)
+
+
+def _doc_comment(attr: griffe.Object) -> griffe.Docstring | None:
+    """The ``#:`` comment lines right above ``attr``'s assignment, as a docstring."""
+    try:
+        lines = attr.lines_collection[attr.filepath]  # type: ignore[index]
+    except (KeyError, TypeError):
+        return None
+    comment: list[str] = []
+    index = (attr.lineno or 0) - 2
+    while index >= 0 and lines[index].strip().startswith("#:"):
+        comment.insert(0, lines[index].strip()[2:].strip())
+        index -= 1
+    if not comment:
+        return None
+    return griffe.Docstring("\n".join(comment), lineno=index + 2, parent=attr)
 
 
 class StratagemDocstrings(griffe.Extension):
     def on_class(self, *, cls: griffe.Class, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
         _set_attrs_init(cls)
 
+    def on_module(self, *, mod: griffe.Module, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
+        # A loaded package's top module gets no on_object event; converting twice changes nothing.
+        if mod.docstring is not None:
+            mod.docstring.value = to_markdown(mod.docstring.value, mod)
+
     def on_object(self, *, obj: griffe.Object, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
+        if obj.is_attribute and obj.docstring is None:
+            obj.docstring = _doc_comment(obj)
         if obj.docstring is not None:
             obj.docstring.value = to_markdown(obj.docstring.value, obj)
         if obj.is_function:

@@ -52,7 +52,9 @@ def _pages(root: Path) -> tuple[dict[str, str], list[Any]]:
             extra = "## Built in, registered by name\n\n" + extra
         pages[f"reference/{package}.md"] = reference_api.core_page(package, sections[package], extra)
         nav.append({reference_api.CORE_PAGES.get(package, package): f"reference/{package}.md"})
-    pages["reference/hooks.md"] = reference_hooks.hooks_page(root / "core/src/stratagem/hookspecs.py", markers)
+    pages["reference/hooks.md"] = reference_hooks.hooks_page(
+        root / "core/src/stratagem/hookspecs.py", markers
+    )
     pages["reference/cli.md"] = reference_cli.cli_page()
     nav += [{"Hook specs": "reference/hooks.md"}, {"Command line": "reference/cli.md"}]
     plugin_nav = []
@@ -90,7 +92,9 @@ def on_config(config: Any) -> Any:
     plugin_nav = [{_title(path): uri} for uri, path in _readmes(root)]
     nav = list(config.nav or [])
     # The plugins' guides after the guide; the generated reference after everything written by hand.
-    at = next((i + 1 for i, entry in enumerate(nav) if isinstance(entry, dict) and "Guide" in entry), len(nav))
+    at = next(
+        (i + 1 for i, entry in enumerate(nav) if isinstance(entry, dict) and "Guide" in entry), len(nav)
+    )
     nav[at:at] = [{"Plugins": plugin_nav}]
     nav.append({"Reference": reference_nav})
     config.nav = nav

@@ -99,12 +99,22 @@ def core_sections(loader: griffe.GriffeLoader) -> dict[str, list[tuple[str, grif
     for name in public_names(root):
         add(f"stratagem.{name}", resolve(root, name))
     for package_name, package in root.members.items():
-        if package_name.startswith("_") or package.is_alias or not package.is_module or package_name in NOT_API:
+        if (
+            package_name.startswith("_")
+            or package.is_alias
+            or not package.is_module
+            or package_name in NOT_API
+        ):
             continue
         for name in public_names(package):
             add(f"{package.path}.{name}", resolve(package, name))
         for module_name, module in package.members.items():
-            if module_name.startswith("_") or module.is_alias or not module.is_module or module.exports is None:
+            if (
+                module_name.startswith("_")
+                or module.is_alias
+                or not module.is_module
+                or module.exports is None
+            ):
                 continue
             for name in public_names(module):
                 add(f"{module.path}.{name}", resolve(module, name))
@@ -118,7 +128,7 @@ def directive(identifier: str, heading_level: int = 2, **options: object) -> str
 
 
 def module_docstring(identifier: str) -> str:
-    return directive(identifier, show_root_heading="false", members="false")
+    return directive(identifier, show_root_heading="false", show_root_toc_entry="false", members="false")
 
 
 def core_page(package: str, entries: list[tuple[str, griffe.Object]], extra: str = "") -> str:
@@ -139,7 +149,9 @@ def core_page(package: str, entries: list[tuple[str, griffe.Object]], extra: str
     return "\n".join(parts)
 
 
-def index_page(sections: dict[str, list[tuple[str, griffe.Object]]], other_pages: list[tuple[str, str]]) -> str:
+def index_page(
+    sections: dict[str, list[tuple[str, griffe.Object]]], other_pages: list[tuple[str, str]]
+) -> str:
     lines = [
         "# Reference",
         "",
@@ -149,7 +161,12 @@ def index_page(sections: dict[str, list[tuple[str, griffe.Object]]], other_pages
         "",
     ]
     for package in ordered(sections):
-        lines += [f"## [{CORE_PAGES.get(package, package)}]({package}.md)", "", "| name | what it is |", "| --- | --- |"]
+        lines += [
+            f"## [{CORE_PAGES.get(package, package)}]({package}.md)",
+            "",
+            "| name | what it is |",
+            "| --- | --- |",
+        ]
         lines += [f"| [`{path}`][{path}] | {summary(obj)} |" for path, obj in sections[package]]
         lines.append("")
     lines += ["## More", ""]

@@ -35,8 +35,14 @@ def _argument_row(p: argparse.ArgumentParser, action: argparse.Action) -> str:
         takes = "" if action.nargs == 0 else formatter._format_args(action, action.dest.upper())
     else:
         names = f"`{formatter._metavar_formatter(action, action.dest)(1)[0]}`"
-        takes = {"?": "optional", "*": "zero or more", "+": "one or more", argparse.REMAINDER: "the rest"}.get(
-            action.nargs, ""  # type: ignore[arg-type]
+        takes = {
+            "?": "optional",
+            "*": "zero or more",
+            "+": "one or more",
+            argparse.REMAINDER: "the rest",
+        }.get(
+            action.nargs,
+            "",  # type: ignore[arg-type]
         )
     if action.choices is not None:
         takes = "one of " + ", ".join(f"`{c}`" for c in action.choices)

@@ -91,6 +91,7 @@ def hooks_page(hookspecs_file: Path, markers: list[str]) -> str:
         if description:
             parts.append(description[:1].upper() + description[1:] + "\n")
         parts += [
-            directive(f"stratagem.hookspecs.{name}", heading_level=3, show_root_full_path="false") for name in names
+            directive(f"stratagem.hookspecs.{name}", heading_level=3, show_root_full_path="false")
+            for name in names
         ]
     return "\n".join(parts)

@@ -9,10 +9,10 @@ the registry's own ``register`` callbacks. Those modules import nothing heavy, b
 from __future__ import annotations
 
 import importlib
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from reference_api import directive, module_docstring, public_names, resolve
 
 KINDS = ("strategies", "launchers", "callbacks", "loggers")
@@ -59,7 +59,11 @@ def _cell(value: Any) -> str:
 
 
 def _codes(values: Any) -> str:
-    return ", ".join(f"`{v}`" for v in values) if values else "–"
+    return ", ".join(f"`{v}`" for v in values) if values else ""
+
+
+def _preset(info: Any) -> str:
+    return ", ".join(f"`{k}={v!r}`" for k, v in info.preset_options.items())
 
 
 def _world_sizes(sizes: list[Any]) -> str:
@@ -72,36 +76,42 @@ def table(kind: str, infos: list[Any]) -> str:
     if not infos:
         return ""
     if kind == "strategies":
-        head = "| name | description | preset options | accelerators | precisions | checkpoint formats | world sizes | requires |"
+        head = "| name | description | preset options | declared capabilities |"
         rows = []
         for info in infos:
             caps = info.capabilities.to_json()
-            preset = ", ".join(f"`{k}={v!r}`" for k, v in info.preset_options.items()) or "–"
-            rows.append(
-                f"| `{info.name}` | {_cell(info.description)} | {preset} | {_codes(caps['accelerators'])} | "
-                f"{_codes(caps['precisions'])} | {_codes(caps['checkpoint_formats'])} | "
-                f"{_world_sizes(caps['world_sizes'])} | {_codes(caps['requires'])} |"
+            declared = (
+                f"accelerators {_codes(caps['accelerators'])}; precisions {_codes(caps['precisions'])}; "
+                f"checkpoints {_codes(caps['checkpoint_formats'])}; world size {_world_sizes(caps['world_sizes'])}"
+                + (f"; requires {_codes(caps['requires'])}" if caps["requires"] else "")
             )
+            rows.append(f"| `{info.name}` | {_cell(info.description)} | {_preset(info)} | {declared} |")
     elif kind == "launchers":
-        head = "| name | description | accelerators | multi-node | starts every node | requires |"
+        head = "| name | description | declared capabilities |"
         rows = []
         for info in infos:
             caps = info.capabilities.to_json()
-            rows.append(
-                f"| `{info.name}` | {_cell(info.description)} | {_codes(caps['accelerators'])} | "
-                f"{'yes' if caps['multi_node'] else 'no'} | {'yes' if caps['starts_all_nodes'] else 'no'} | "
-                f"{_codes(caps['requires'])} |"
+            declared = (
+                f"accelerators {_codes(caps['accelerators'])}; "
+                f"{'multi-node' if caps['multi_node'] else 'one node'}; "
+                f"{'starts every node' if caps['starts_all_nodes'] else 'run on each node'}"
+                + (f"; requires {_codes(caps['requires'])}" if caps["requires"] else "")
             )
+            rows.append(f"| `{info.name}` | {_cell(info.description)} | {declared} |")
     else:
         head = "| name | description | preset options | requires | install |"
         rows = [
-            f"| `{info.name}` | {_cell(info.description)} | "
-            f"{', '.join(f'`{k}={v!r}`' for k, v in info.preset_options.items()) or '–'} | "
-            f"{_codes(info.requires)} | {_codes(info.install or ())} |"
+            f"| `{info.name}` | {_cell(info.description)} | {_preset(info)} | {_codes(info.requires)} | "
+            f"{_codes(info.install or ())} |"
             for info in infos
         ]
     separator = "|" + " --- |" * head.count(" | ") + " --- |"
-    title = {"strategies": "Strategies", "launchers": "Launchers", "callbacks": "Callbacks", "loggers": "Loggers"}
+    title = {
+        "strategies": "Strategies",
+        "launchers": "Launchers",
+        "callbacks": "Callbacks",
+        "loggers": "Loggers",
+    }
     return "\n".join([f"### {title[kind]} registered by name", "", head, separator, *rows, ""]) + "\n"
 
 
@@ -124,7 +134,7 @@ class Plugin:
             f"# `{self.package}`\n",
             module_docstring(self.package),
             f"The distribution `{self.distribution}` ([its README](../../{readme}) is the guide); entry points "
-            + ", ".join(f"`{name} = \"{value}\"`" for name, value in self.entry_points.items())
+            + ", ".join(f'`{name} = "{value}"`' for name, value in self.entry_points.items())
             + ".\n",
         ]
         tables = [table(kind, registered[kind]) for kind in KINDS]
