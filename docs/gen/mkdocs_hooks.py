@@ -80,6 +80,31 @@ def _title(readme: Path) -> str:
     return first.lstrip("#").strip().split(":")[0]
 
 
+def _listed(nav: Any) -> set[str]:
+    if isinstance(nav, str):
+        return {nav}
+    if isinstance(nav, dict):
+        return set().union(*(_listed(v) for v in nav.values()))
+    if isinstance(nav, list):
+        return set().union(*(_listed(v) for v in nav)) if nav else set()
+    return set()
+
+
+def _add_unlisted_guides(nav: list[Any], root: Path) -> None:
+    """A docs/*.md that mkdocs.yml does not list yet goes at the end of the guide, titled by its heading."""
+    listed = _listed(nav)
+    extra = [
+        {_title(path): f"docs/{path.name}"}
+        for path in sorted((root / "docs").glob("*.md"))
+        if f"docs/{path.name}" not in listed
+    ]
+    guide = next((entry["Guide"] for entry in nav if isinstance(entry, dict) and "Guide" in entry), None)
+    if guide is None:
+        nav.extend(extra)
+    else:
+        guide.extend(extra)
+
+
 def on_config(config: Any) -> Any:
     root = _root(config)
     _use_checkout(root)
@@ -91,6 +116,7 @@ def on_config(config: Any) -> Any:
     _generated.update(pages)
     plugin_nav = [{_title(path): uri} for uri, path in _readmes(root)]
     nav = list(config.nav or [])
+    _add_unlisted_guides(nav, root)
     # The plugins' guides after the guide; the generated reference after everything written by hand.
     at = next(
         (i + 1 for i, entry in enumerate(nav) if isinstance(entry, dict) and "Guide" in entry), len(nav)
