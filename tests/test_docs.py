@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import itertools
 import re
 import shutil
 from pathlib import Path
@@ -166,3 +167,32 @@ def test_a_strategys_options_are_shown_with_their_defaults(
             default = repr(field.default).replace("'", '"')
             shown = [line for line in lines if re.match(rf"{field.alias}\b", line)]
             assert shown and shown[0].endswith(f"= {default},"), (field.alias, default, shown)
+
+
+def test_the_hook_page_groups_the_specs_as_hookspecs_py_does(
+    built_site: Path, check_site: ModuleType
+) -> None:
+    source = (ROOT / "core/src/stratagem/hookspecs.py").read_text().splitlines()
+    dashes = [i for i, line in enumerate(source) if re.fullmatch(r"#\s*-{10,}\s*", line)]
+    # A banner's title is the comment line between a pair of dash lines (up to a colon).
+    titles = [source[i + 1].lstrip("# ").split(":")[0] for i, j in itertools.pairwise(dashes) if j == i + 2]
+    tree = check_site._Tree()
+    tree.feed((built_site / "reference/hooks/index.html").read_text())
+    article = next(e for e in _walk(tree.root) if e.tag == "article")
+    groups: list[tuple[str, list[str]]] = []
+    for element in _walk(article):
+        if element.tag == "h2":
+            groups.append((element.text().strip(" ¶\n").lower(), []))
+        elif element.tag == "h3" and element.attrs.get("id", "").startswith("stratagem.hookspecs."):
+            groups[-1][1].append(element.attrs["id"].rsplit(".", 1)[-1])
+    assert [title for title, _ in groups] == ["markers", *(t.lower() for t in titles)]
+    placed = {hook: title for title, hooks in groups for hook in hooks}
+    assert placed["wrap_model"] == "model" and placed["on_fit_start"] == "trainer events"
+    assert set(placed) == {name.rsplit(".", 1)[-1] for name in check_site.hook_specs()}
+
+
+def _walk(element: Any) -> Any:
+    for child in element.children:
+        if not isinstance(child, str):
+            yield child
+            yield from _walk(child)
