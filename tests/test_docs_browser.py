@@ -49,7 +49,7 @@ def served_site(built_site: Path) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def page(served_site: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     if CHROMIUM is None:
-        pytest.skip("no Chromium: install Debian's (as root: apt-get install -y chromium chromium-driver)")
+        pytest.skip("no Chromium: install Debian's (as root: apt-get install -y chromium)")
     sync_api = pytest.importorskip(
         "playwright.sync_api", reason="Playwright is not installed: pip install -r requirements-docs.txt"
     )
