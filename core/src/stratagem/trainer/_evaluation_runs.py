@@ -86,8 +86,10 @@ class EvaluationRuns:
         if replicas == 1:  # rank 0 predicted everything (alone, or with tensor-parallel peers)
             if not self.engine.is_global_zero:
                 return None
-            return [output for _, output in mine] if indices is None else _predictions.in_dataset_order(
-                [mine], batch_size
+            return (
+                [output for _, output in mine]
+                if indices is None
+                else _predictions.in_dataset_order([mine], batch_size)
             )
         per_rank = self._gather_predictions(mine, rank)
         return _predictions.in_dataset_order(per_rank, batch_size) if per_rank is not None else None
@@ -129,7 +131,7 @@ class EvaluationRuns:
             if not self._best_holders():
                 raise ConfigurationError(
                     f'{method}(ckpt_path="best") needs a ModelCheckpoint callback, whose best checkpoint it '
-                    "loads: Trainer(callbacks=[ModelCheckpoint(monitor=...)]). Or pass a path, or \"last\"."
+                    'loads: Trainer(callbacks=[ModelCheckpoint(monitor=...)]). Or pass a path, or "last".'
                 )
             return
         if not isinstance(ckpt_path, (str, os.PathLike)):
