@@ -108,7 +108,7 @@ class EvaluationRuns:
                 "has no data hooks; the Trainer takes the loaders.)"
             )
         _fit_checks.check_model(model, for_fit=False)
-        if step != "validation_step" and not type(model).overrides(step):
+        if step == "test_step" and not type(model).overrides(step):
             raise ConfigurationError(
                 f"{type(model).__name__} has no {step}(batch, batch_idx). Define it for trainer.{method}()."
             )
