@@ -79,6 +79,7 @@ def run_all(engine: Any, workdir: str, s3_url: str | None) -> dict[str, Any]:
     _guarded(out, "seed000/manual_wrap", lambda: _manual_wrap("fsdp", root / "manual_fsdp", False))
     _guarded(out, "seed000/manual_wrap_checkpointing", lambda: _manual_wrap("fsdp", root / "manual_ac", True))
     _guarded(out, "seed000/manual_wrap_ddp", lambda: _manual_wrap("ddp", root / "manual_ddp", False))
+    _guarded(out, "seed000/wrap_overrides", lambda: _wrap_overrides(root / "wrap_overrides"))
     for hook in ("fp16", "powersgd", "powersgd_fp16", "post_local_sgd"):
         _guarded(out, f"seed004/{hook}", lambda hook=hook: _comm_hook(hook, root / hook))
     return out
@@ -196,6 +197,20 @@ def _checkpointing_policy(root: Path) -> dict[str, Any]:
 
 def _manual_wrap(strategy: str, root: Path, checkpointing: bool) -> dict[str, Any]:
     return _fsdp_run(strategy, MyModel(checkpointing=checkpointing), root)
+
+
+def _wrap_overrides(root: Path) -> dict[str, Any]:
+    from torch.distributed.fsdp.wrap import wrap
+
+    class Overrides(MyModel):
+        def configure_model(self) -> None:
+            self.model = wrap(torch.nn.Linear(32, 32), cpu_offload=True)
+
+    try:
+        _trainer("fsdp", root).fit(Overrides(), train_loader())
+    except sg.ConfigurationError as error:
+        return {"raised": str(error)}
+    return {"raised": None}
 
 
 # -------------------------------------------------------------------------------------------------

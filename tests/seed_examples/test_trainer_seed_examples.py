@@ -262,6 +262,12 @@ def test_seed_000_manual_wrap_with_activation_checkpointing(runs: dict) -> None:
     assert _gap(run["params"], want) < TOL
 
 
+def test_torchs_wrap_with_fsdp1_arguments_is_refused(runs: dict) -> None:
+    raised = _run(runs, "seed000/wrap_overrides")["raised"]
+    assert raised is not None and "wrap(Linear, cpu_offload=...)" in raised
+    assert "per-module FSDP1 arguments" in raised and "set the options on FSDPStrategy(...)" in raised
+
+
 def test_seed_000_wrap_is_a_no_op_under_ddp(runs: dict) -> None:
     run = _run(runs, "seed000/manual_wrap_ddp")
     assert run["units"] == []
