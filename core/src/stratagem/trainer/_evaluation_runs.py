@@ -82,15 +82,11 @@ class EvaluationRuns:
         loader, indices = _predictions.prediction_loader(loader, replicas, rank)
         with self._precision_errors():
             outputs = self._predict_batches(loader)
+        if replicas == 1:
+            # One share (alone, or with tensor-parallel peers that predicted the same): rank 0 holds every
+            # prediction, in order already.
+            return outputs if self.engine.is_global_zero else None
         mine = [(None if indices is None else indices[i], output) for i, output in enumerate(outputs)]
-        if replicas == 1:  # rank 0 predicted everything (alone, or with tensor-parallel peers)
-            if not self.engine.is_global_zero:
-                return None
-            return (
-                [output for _, output in mine]
-                if indices is None
-                else _predictions.in_dataset_order([mine], batch_size)
-            )
         per_rank = self._gather_predictions(mine, rank)
         return _predictions.in_dataset_order(per_rank, batch_size) if per_rank is not None else None
 
