@@ -96,7 +96,9 @@ def _eval_loader() -> DataLoader:
 
 def _test_and_predict(strategy: str, root: Path, s3_url: str | None) -> dict[str, Any]:
     model = Regression()
-    checkpoint = ModelCheckpoint(monitor="val_loss")
+    # mode="max": the "best" is the first validation's weights, so that loading it visibly changes the metric
+    # (the loss falls at every validation: by "min" the best would be the final weights).
+    checkpoint = ModelCheckpoint(monitor="val_loss", mode="max")
     trainer = _trainer(
         strategy,
         root,
