@@ -260,6 +260,12 @@ def test_seed_000_manual_wrap_with_activation_checkpointing(runs: dict) -> None:
     assert _gap(run["params"], want) < TOL
 
 
+def test_seed_000_manual_wrap_marks_units_under_fsdp_tp(runs: dict) -> None:
+    # fsdp_tp on 2 processes is a 1 x 2 mesh; the layers wrap() marked become its FSDP units.
+    run = _run(runs, "seed000/manual_wrap_fsdp_tp")
+    assert run["units"] == ["", "block.0", "block.1", "linear_layer"]
+
+
 def test_torchs_wrap_with_fsdp1_arguments_is_refused(runs: dict) -> None:
     raised = _run(runs, "seed000/wrap_overrides")["raised"]
     assert raised is not None and "wrap(Linear, cpu_offload=...)" in raised
