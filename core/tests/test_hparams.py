@@ -193,6 +193,11 @@ def test_load_from_checkpoint_inside_init_module_with_empty_init(tmp_path: Path)
 
 def test_without_save_hyperparameters_and_a_missing_checkpoint(tmp_path: Path) -> None:
     class Plain(sg.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # Assigned by hand: what loggers record, not what checkpoints keep (that is save_hyperparameters').
+            self.hparams = {"note": object()}
+
         def configure_model(self) -> None:
             self.net = torch.nn.Linear(4, 1)
 
@@ -203,7 +208,9 @@ def test_without_save_hyperparameters_and_a_missing_checkpoint(tmp_path: Path) -
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = _fit(tmp_path, Plain())
+    plain = Plain()
+    assert set(plain.hparams) == {"note"}
+    trainer = _fit(tmp_path, plain)
     path = tmp_path / "checkpoints" / "step-000003.ckpt"
     assert "hyperparameters" not in torch.load(path, weights_only=True)["state"]
     loaded = Plain.load_from_checkpoint(path)

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 #: The key of a checkpoint's plain state that holds them.
 STATE_KEY = "hyperparameters"
+#: The Module's ``__dict__`` flag: its ``hparams`` come from ``save_hyperparameters`` (and go into checkpoints).
+SAVED = "_stratagem_hparams_saved"
 _PLAIN_LEAVES = (type(None), bool, int, float, str)
 
 

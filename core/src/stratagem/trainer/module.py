@@ -107,15 +107,25 @@ class Module(torch.nn.Module):
             raise RuntimeError("save_hyperparameters() cannot see its caller's frame in this interpreter.")
         try:
             self.__dict__["_stratagem_hparams"] = _hparams.collect(caller, names, ignore)
+            self.__dict__[_hparams.SAVED] = True
         finally:
             del frame, caller
 
     @property
     def hparams(self) -> Any:
-        """What :meth:`save_hyperparameters` kept (a dict; ``hparams.name`` reads an entry too)."""
+        """What :meth:`save_hyperparameters` kept (a dict; ``hparams.name`` reads an entry too). Assigning it
+        sets what loggers record as the model's hyperparameters, but only ``save_hyperparameters`` puts them in
+        checkpoints."""
         from stratagem.trainer._hparams import HyperParameters
 
         return self.__dict__.setdefault("_stratagem_hparams", HyperParameters())
+
+    @hparams.setter
+    def hparams(self, value: Any) -> None:
+        from stratagem.trainer import _hparams
+
+        self.__dict__["_stratagem_hparams"] = value
+        self.__dict__[_hparams.SAVED] = False
 
     @classmethod
     def load_from_checkpoint(cls, path: str | os.PathLike[str], **overrides: Any) -> Any:
