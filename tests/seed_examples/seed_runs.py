@@ -79,7 +79,9 @@ def run_all(engine: Any, workdir: str, s3_url: str | None) -> dict[str, Any]:
     _guarded(out, "seed000/manual_wrap", lambda: _manual_wrap("fsdp", root / "manual_fsdp", False))
     _guarded(out, "seed000/manual_wrap_checkpointing", lambda: _manual_wrap("fsdp", root / "manual_ac", True))
     _guarded(out, "seed000/manual_wrap_ddp", lambda: _manual_wrap("ddp", root / "manual_ddp", False))
-    _guarded(out, "seed000/manual_wrap_fsdp_tp", lambda: _manual_wrap("fsdp_tp", root / "manual_fsdp_tp", False))
+    _guarded(
+        out, "seed000/manual_wrap_fsdp_tp", lambda: _manual_wrap("fsdp_tp", root / "manual_fsdp_tp", False)
+    )
     _guarded(out, "seed000/wrap_overrides", lambda: _wrap_overrides(root / "wrap_overrides"))
     for hook in ("fp16", "powersgd", "powersgd_fp16", "post_local_sgd"):
         _guarded(out, f"seed004/{hook}", lambda hook=hook: _comm_hook(hook, root / hook))
