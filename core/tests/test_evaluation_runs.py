@@ -188,6 +188,9 @@ def test_sixteen_true_keeps_parameters_and_computation_in_float16(tmp_path: Path
         assert torch.equal(model.state_dict()[name], value), name
     predictions = trainer.predict(dataloaders=DataLoader(_data().tensors[0], batch_size=4))
     assert predictions[0].dtype == torch.float16
+    with trainer.init_module():  # seed 004's efficient initialisation: layers made here are float16
+        layer = torch.nn.Linear(4, 2)
+    assert layer.weight.dtype == torch.float16
 
 
 def test_sixteen_true_names_an_op_without_a_float16_kernel(tmp_path: Path) -> None:
