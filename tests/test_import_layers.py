@@ -54,7 +54,7 @@ PLUGIN_LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("_rules",),
         ("_sections",),
         ("_config", "_optimizers"),
-        ("_state", "_wrappers"),
+        ("_state", "_wrappers", "_offline"),
         ("_checkpoint",),
         ("strategy",),
         ("",),

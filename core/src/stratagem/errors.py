@@ -117,6 +117,28 @@ class CapabilityError(StratagemError, ValueError):
         )
 
 
+class PrecisionKernelError(CapabilityError):
+    """Under a low precision, the model called an op that torch has no kernel for in that dtype on the device."""
+
+    def __init__(
+        self, strategy: str, precision: str, device_type: str, op: str, detail: str, torch_version: str
+    ) -> None:
+        self.strategy = strategy
+        self.capability = f"precision on {device_type}"
+        self.requested = precision
+        self.alternatives: list[str] = []
+        self.op = op
+        what = f"{op!r}" if op else "an op of this model"
+        ValueError.__init__(
+            self,
+            f"precision={precision!r} on {device_type}: torch {torch_version} has no float16 kernel for "
+            f"{what} on {device_type} ({detail.splitlines()[0] if detail else 'no detail'}). Parameters and "
+            f"computation are float16 throughout under {precision!r}; use precision='bf16-true' (bfloat16 "
+            "kernels cover more of the CPU) or '32-true', compute that op in float32 yourself "
+            "(x.float()), or run on CUDA.",
+        )
+
+
 class MissingDependencyError(StratagemError, ImportError):
     """A strategy (or a launcher, callback, logger: ``kind``) needs a package that is not installed."""
 

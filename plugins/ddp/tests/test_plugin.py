@@ -28,7 +28,7 @@ def test_both_names_registered_with_capabilities() -> None:
         assert info.factory == "stratagem_ddp.strategy:DDPStrategy"
         caps = info.capabilities
         assert caps.accelerators == {"cpu", "cuda"}
-        assert caps.precisions == {"32-true", "bf16-mixed", "bf16-true", "16-mixed"}
+        assert caps.precisions == {"32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"}
         assert caps.checkpoint_formats == {"full"}
         assert caps.min_world_size == 1 and caps.max_world_size is None
     assert dict(registry.get("ddp_find_unused_parameters_true").preset_options) == {

@@ -98,6 +98,18 @@ def test_defaults() -> None:
     assert FSDPStrategy(state_dict_type="sharded").checkpoint_format == "sharded"
 
 
+def test_lightnings_former_activation_checkpointing_name_is_the_policy() -> None:
+    # Seed 002's signature: activation_checkpointing takes a class or a list of classes.
+    for value in (torch.nn.Linear, [torch.nn.Linear]):
+        policy = FSDPStrategy(activation_checkpointing=value).config.activation_checkpointing_policy
+        assert (
+            policy
+            == FSDPStrategy(
+                activation_checkpointing_policy={torch.nn.Linear}
+            ).config.activation_checkpointing_policy
+        )
+
+
 def test_fsdp1_enums_and_objects_are_translated() -> None:
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
@@ -133,6 +145,13 @@ def test_fsdp1_enums_and_objects_are_translated() -> None:
         ({"sync_module_states": True}, r"sync_module_states=True\): not accepted: build the model under"),
         ({"device_id": 0}, r"device_id=0\): not accepted"),
         ({"bucket_cap_mb": 25}, r"unknown options \['bucket_cap_mb'\]"),
+        (
+            {
+                "activation_checkpointing": torch.nn.Linear,
+                "activation_checkpointing_policy": {torch.nn.Linear},
+            },
+            r"activation_checkpointing=<class 'torch.nn.modules.linear.Linear'>\): it is the former name",
+        ),
     ],
 )
 def test_bad_options_name_the_field_and_value(options: dict, match: str) -> None:

@@ -63,6 +63,21 @@ class ModelCheckpoint:
         #: The newest checkpoint's name.
         self.last: str | None = None
         self._checked_step: int | None = None
+        self._directory: Any = self.dirpath
+
+    def best_checkpoint(self, trainer: Any) -> Any:
+        """The best checkpoint kept so far, or ``None``: what ``trainer.test(ckpt_path="best")`` loads."""
+        if not self.best:
+            return None
+        directory = self.dirpath if self.dirpath is not None else trainer.checkpoint_dir
+        return _store.join(directory, self.best[0][0])
+
+    @property
+    def best_model_path(self) -> str | None:
+        """The best checkpoint's path once this callback has saved or resumed in a run, else ``None``."""
+        if not self.best or self._directory is None:
+            return None
+        return str(_store.join(self._directory, self.best[0][0]))
 
     # events ----------------------------------------------------------------------------------------
     @hookimpl
@@ -105,6 +120,7 @@ class ModelCheckpoint:
         fmt = self.format or trainer.checkpoint_format
         name = f"step-{step:06d}-{label}" + (".ckpt" if fmt == "full" else "")
         directory = self.dirpath if self.dirpath is not None else trainer.checkpoint_dir
+        self._directory = directory
         candidates = [e for e in self.best if e[0] != name] + [[name, score, step]]
         candidates.sort(key=(lambda e: -e[2]) if self.monitor is None else self._rank_key)
         before = (list(self.best), self.last)

@@ -319,6 +319,12 @@ class Engine(Launching, Checkpoints):
         ]
         return result[0] if len(result) == 1 else result
 
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """This process's share of the data: ``{"num_replicas": ..., "rank": ...}`` over the data-parallel
+        ranks (tensor-parallel peers share one)."""
+        self.setup_environment()
+        return dict(self._hooks.distributed_sampler_kwargs())
+
     def forward_context(self) -> ContextManager[None]:
         return self._hooks.forward_context()
 

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 ACCELERATORS = frozenset({"cpu", "cuda"})
-PRECISIONS = frozenset({"32-true", "bf16-mixed", "bf16-true", "16-mixed"})
+PRECISIONS = frozenset({"32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"})
 CHECKPOINT_FORMATS = frozenset({"full", "sharded"})
 #: Precisions that only exist on some accelerators, whatever a strategy declares.
 PRECISION_ACCELERATORS = {"16-mixed": frozenset({"cuda"})}

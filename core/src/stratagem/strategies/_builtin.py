@@ -16,7 +16,7 @@ def register_strategies(register: Callable[..., None]) -> None:
         description="One process on one device: the reference every other strategy is compared with",
         capabilities=Capabilities(
             accelerators={"cpu", "cuda"},
-            precisions={"32-true", "bf16-mixed", "bf16-true", "16-mixed"},
+            precisions={"32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"},
             checkpoint_formats={"full", "sharded"},
             min_world_size=1,
             max_world_size=1,

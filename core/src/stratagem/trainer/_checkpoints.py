@@ -89,6 +89,9 @@ class CheckpointingMixin:
             extras=extras,
             topology=self._consumption().to_dict(),
         )
+        if self.module.__dict__.get("_stratagem_hparams_saved"):
+            # Module.save_hyperparameters(): what load_from_checkpoint builds the module from.
+            state["hyperparameters"] = dict(self.module.hparams)
         if "on_save_checkpoint" in self._events.implemented:
             state["callbacks"] = PerRank(self._events.collect_states(self, str(path)))
         self.engine.save(

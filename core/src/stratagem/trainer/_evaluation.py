@@ -1,5 +1,5 @@
 """What the Trainer reports: metrics logged during training and validation (reduced across ranks and sent to
-the loggers at each logging step), and the validation loop."""
+the loggers at each logging step), and the validation and test loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stratagem.engine.seed import capture_rng, restore_rng
-from stratagem.trainer._model_calls import to_device
+from stratagem.trainer._model_calls import batch_for
 from stratagem.trainer._progress import ProgressBar, format_metrics
 
 if TYPE_CHECKING:
@@ -58,12 +58,19 @@ class Evaluation:
             )
 
     def _run_validation(self, loader: Any, epoch: int | None = None) -> dict[str, float]:
+        return self._run_evaluation(loader, "validation", epoch)
+
+    def _run_evaluation(self, loader: Any, stage: str, epoch: int | None = None) -> dict[str, float]:
+        """``validation_step`` (``stage="validation"``: with its events and ``limit_val_batches``) or
+        ``test_step`` over ``loader``; the metrics logged, reduced across ranks."""
         assert self.model is not None
-        limit = self.options.limit_val_batches
+        validating = stage == "validation"
+        limit = self.options.limit_val_batches if validating else None
         was_training = self.model.training
-        # Validation must not change the training's random stream (resume replays it exactly).
+        # Evaluation must not change the training's random stream (resume replays it exactly).
         rng = capture_rng()
-        self._events.call("on_validation_start", trainer=self)
+        if validating:
+            self._events.call("on_validation_start", trainer=self)
         self.model.eval()
         self._in_validation = True
         try:
@@ -71,11 +78,10 @@ class Evaluation:
                 for batch_idx, batch in enumerate(loader):
                     if limit is not None and batch_idx >= limit:
                         break
-                    self._recovery.beat(self.position.step, self.position.batch_in_epoch, "validation")
-                    if self.engine.device.type != "cpu":
-                        batch = to_device(batch, self.engine.device)
+                    self._recovery.beat(self.position.step, self.position.batch_in_epoch, stage)
+                    batch = batch_for(batch, self.engine.device, self.engine.precision)
                     with self.engine.forward_context():
-                        self._call("validation_step", batch, batch_idx)
+                        self._call(f"{stage}_step", batch, batch_idx)
             values = self._val_metrics.reduce(self.engine)
         finally:
             self._in_validation = False
@@ -84,6 +90,7 @@ class Evaluation:
         self.logged_metrics.update(values)
         if values:
             self._write_metrics(values, self.position.epoch if epoch is None else epoch)
-            self.print(f"validation at step {self.position.step}: {format_metrics(values)}")
-        self._events.call("on_validation_end", trainer=self, metrics=dict(values))
+            self.print(f"{stage} at step {self.position.step}: {format_metrics(values)}")
+        if validating:
+            self._events.call("on_validation_end", trainer=self, metrics=dict(values))
         return values

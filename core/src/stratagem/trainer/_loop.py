@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stratagem.trainer import _events as _callbacks
-from stratagem.trainer._model_calls import loss_of, to_device
+from stratagem.trainer._model_calls import batch_for, loss_of
 from stratagem.trainer._progress import ProgressBar
 from stratagem.trainer._resume import Position, start_epoch
 
@@ -147,8 +147,7 @@ class TrainingLoop:
         boundary = last_of_epoch or (batch_idx + 1) % opts.accumulate_grad_batches == 0
         beat = self._recovery.beat
         beat(position.step, batch_idx, "training_step")
-        if engine.device.type != "cpu":
-            batch = to_device(batch, engine.device)
+        batch = batch_for(batch, engine.device, engine.precision)
         events = self._events
         events.call("on_train_batch_start", trainer=self, batch=batch, batch_idx=batch_idx)
         with engine.no_sync(self.model, enabled=not boundary):

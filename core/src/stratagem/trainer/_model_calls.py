@@ -23,6 +23,29 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    """The batch with its floating-point tensors in ``dtype`` (integer tensors, token ids, stay as they are)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, (list, tuple)):
+        cast = [cast_floats(item, dtype) for item in batch]
+        return type(batch)(*cast) if hasattr(batch, "_fields") else type(batch)(cast)
+    if isinstance(batch, dict):
+        return {key: cast_floats(value, dtype) for key, value in batch.items()}
+    return batch
+
+
+def batch_for(batch: Any, device: torch.device, precision: str) -> Any:
+    """A batch as the step receives it: on the device, and under a ``*-true`` precision with its floating-point
+    tensors in the parameters' dtype (the model computes in that dtype throughout)."""
+    from stratagem.strategies.precision import param_dtype
+
+    if device.type != "cpu":
+        batch = to_device(batch, device)
+    dtype = param_dtype(precision)
+    return batch if dtype is None else cast_floats(batch, dtype)
+
+
 @contextlib.contextmanager
 def redirected_forward(module: torch.nn.Module, method: str) -> Iterator[None]:
     """Make ``wrapper(*args)`` run ``module.<method>(*args)`` inside the wrapper's forward.

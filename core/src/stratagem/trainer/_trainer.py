@@ -1,6 +1,6 @@
 """``stratagem.Trainer``: the fit loop (accumulation, clipping, validation, logging, periodic checkpoints and
-exact resume) on top of one :class:`~stratagem.engine.Engine`, with its events sent to the callbacks and
-loggers it was given (see the Trainer events in :mod:`stratagem.hookspecs`)."""
+exact resume), test and predict, on top of one :class:`~stratagem.engine.Engine`, with its events sent to the
+callbacks and loggers it was given (see the Trainer events in :mod:`stratagem.hookspecs`)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from stratagem.trainer import _fit_checks
 from stratagem.trainer._batch_rule import loader_batch_size
 from stratagem.trainer._checkpoints import CheckpointingMixin
 from stratagem.trainer._evaluation import Evaluation
+from stratagem.trainer._evaluation_runs import EvaluationRuns
 from stratagem.trainer._loop import TrainingLoop
 from stratagem.trainer._metrics import MetricStore
 from stratagem.trainer._model_calls import redirected_forward
@@ -36,7 +37,7 @@ from stratagem.trainer.module import Module
 __all__ = ["Trainer", "TrainerOptions"]
 
 
-class Trainer(TrainingLoop, Evaluation, CheckpointingMixin):
+class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
     """Fit a :class:`~stratagem.Module` under a strategy chosen by name.
 
     :param strategy: a registered name, ``"auto"`` or a ``Strategy`` instance (see :class:`~stratagem.Engine`).
@@ -44,7 +45,9 @@ class Trainer(TrainingLoop, Evaluation, CheckpointingMixin):
     :param devices: processes per node. With more than one and no launcher around, ``fit`` re-runs the script
         in that many workers (torch's elastic agent); this process waits and exits with their status.
     :param num_nodes: nodes (start one ``stratagem run`` or ``torchrun`` per node).
-    :param precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"`` (CUDA only).
+    :param precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"`` (CUDA only) or
+        ``"16-true"`` (parameters and computation in float16; an op without a float16 kernel on the device is
+        an error naming it). Under ``*-true`` the batches' floating-point tensors reach the steps in that dtype.
     :param max_steps: stop after this many optimizer steps.
     :param max_epochs: stop after this many epochs (with neither limit: one epoch).
     :param accumulate_grad_batches: batches per optimizer step; gradients are not synchronised on the others.
@@ -265,19 +268,8 @@ class Trainer(TrainingLoop, Evaluation, CheckpointingMixin):
         train_loader = self._prepare_loader(train_dataloaders)
         val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
         self.ckpt_path = resume_from
-        self._fit_loop(train_loader, val_loader)
-
-    def validate(self, model: Module | None = None, dataloaders: Any = None) -> dict[str, float]:
-        """Run ``validation_step`` over ``dataloaders``; return the metrics, reduced across ranks."""
-        model = model if model is not None else self.module
-        if model is None or dataloaders is None:
-            raise ConfigurationError("validate() needs a model and dataloaders (or a model fitted before).")
-        _fit_checks.check_model(model, for_fit=False)
-        _fit_checks.check_loader(dataloaders, "dataloaders")
-        if self.engine.needs_launch:
-            self._launch()
-        self._setup(model, with_optimizers=False)
-        return self._run_validation(self._prepare_loader(dataloaders))
+        with self._precision_errors():
+            self._fit_loop(train_loader, val_loader)
 
     def log(self, name: str, value: Any, *, prog_bar: bool = False, reduce: str = "mean") -> None:
         """Record a metric from a callback, like ``Module.log``: reduced across ranks (log it on every rank)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import os
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -77,3 +80,62 @@ class Module(torch.nn.Module):
     @classmethod
     def overrides(cls, name: str) -> bool:
         return getattr(cls, name) is not getattr(Module, name)
+
+    # test, predict, hyperparameters and loading ------------------------------------------------------
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute test metrics of one batch (``Trainer.test``); log them with :meth:`log`."""
+        raise NotImplementedError
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """The predictions of one batch (``Trainer.predict``); by default the module called on the batch.
+
+        Return a tensor (or a dict, list or tuple of tensors) whose first dimension is the batch: predictions
+        from several processes are put back in dataset order sample by sample.
+        """
+        return self(batch)
+
+    def save_hyperparameters(self, *names: str, ignore: Iterable[str] | str | None = None) -> None:
+        """Keep the arguments of this module's ``__init__`` (all, or ``names``, less ``ignore``) in
+        :attr:`hparams` and in every checkpoint the Trainer writes, so that :meth:`load_from_checkpoint` can
+        build the module again. Call it in ``__init__``. Plain values only (``None``, bool, int, float, str, and
+        lists, tuples and dicts of them): checkpoints never hold pickled objects."""
+        from stratagem.trainer import _hparams
+
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            raise RuntimeError("save_hyperparameters() cannot see its caller's frame in this interpreter.")
+        try:
+            self.__dict__["_stratagem_hparams"] = _hparams.collect(caller, names, ignore)
+            self.__dict__[_hparams.SAVED] = True
+        finally:
+            del frame, caller
+
+    @property
+    def hparams(self) -> Any:
+        """What :meth:`save_hyperparameters` kept (a dict; ``hparams.name`` reads an entry too). Assigning it
+        sets what loggers record as the model's hyperparameters, but only ``save_hyperparameters`` puts them in
+        checkpoints."""
+        from stratagem.trainer._hparams import HyperParameters
+
+        return self.__dict__.setdefault("_stratagem_hparams", HyperParameters())
+
+    @hparams.setter
+    def hparams(self, value: Any) -> None:
+        from stratagem.trainer import _hparams
+
+        self.__dict__["_stratagem_hparams"] = value
+        self.__dict__[_hparams.SAVED] = False
+
+    @classmethod
+    def load_from_checkpoint(cls, path: str | os.PathLike[str], **overrides: Any) -> Any:
+        """Build this class from the hyperparameters a checkpoint stores (``overrides`` replace or add some),
+        run :meth:`configure_model`, and load the checkpoint's weights: offline, in this process, from a full or
+        sharded checkpoint written under any strategy, at a path or an object-store URL.
+
+        Inside ``trainer.init_module(empty_init=True)`` the module is built on the meta device and takes the
+        loaded tensors directly.
+        """
+        from stratagem.trainer import _hparams
+
+        return _hparams.build(cls, path, overrides)

@@ -13,14 +13,14 @@ __all__ = ["CONFIG_ENV", "DeepSpeedConfig", "DeepSpeedStrategy", "consolidate"]
 from stratagem_deepspeed._config import CONFIG_ENV
 
 if TYPE_CHECKING:
-    from stratagem_deepspeed._checkpoint import consolidate
     from stratagem_deepspeed._config import DeepSpeedConfig
+    from stratagem_deepspeed._offline import consolidate
     from stratagem_deepspeed.strategy import DeepSpeedStrategy
 
 _LAZY = {
     "DeepSpeedStrategy": "stratagem_deepspeed.strategy",
     "DeepSpeedConfig": "stratagem_deepspeed._config",
-    "consolidate": "stratagem_deepspeed._checkpoint",
+    "consolidate": "stratagem_deepspeed._offline",
 }
 
 

@@ -19,20 +19,27 @@ class DeepSpeedModule(torch.nn.Module):
     where names must match other strategies. The engine is not a submodule (it holds the same module).
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, evaluation_engine: Any = None) -> None:
         super().__init__()
         self.module = module
         self.__dict__["engine"] = None
+        #: Makes an engine without optimizer for a ZeRO-3 model that only evaluates (validate, test,
+        #: predict); ``setup_optimizers`` replaces it with the training engine.
+        self.__dict__["evaluation_engine"] = evaluation_engine
+        self.__dict__["evaluation_only"] = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.__dict__["engine"]
         if engine is not None:
             return engine(*args, **kwargs)
         if any(hasattr(p, "ds_id") for p in self.module.parameters()):
-            raise ConfigurationError(
-                "A ZeRO stage-3 model runs forward through the DeepSpeed engine, which setup_optimizers() "
-                "creates: set the model up together with its optimizer (engine.setup(model, optimizer))."
-            )
+            make = self.__dict__["evaluation_engine"]
+            if make is None:
+                raise ConfigurationError(
+                    "A ZeRO stage-3 model runs forward through the DeepSpeed engine, which setup_optimizers() "
+                    "creates: set the model up together with its optimizer (engine.setup(model, optimizer))."
+                )
+            return make(self)(*args, **kwargs)
         return self.module(*args, **kwargs)
 
 

@@ -41,6 +41,9 @@ from stratagem_deepspeed._wrappers import (
     _wrapper,
 )
 
+#: Config sections that only a training engine uses (an evaluation engine would build an optimizer from them).
+_TRAINING_ONLY = ("optimizer", "scheduler")
+
 
 class DeepSpeedStrategy(TorchDistributedStrategy):
     """DeepSpeed's engine with ZeRO stage 1, 2 or 3, optionally offloading to CPU memory.
@@ -152,7 +155,23 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
             )
         if not any(hasattr(p, "ds_id") for p in model.parameters()):
             model = Strategy.wrap_model(self, model)
-        return DeepSpeedModule(model)
+        return DeepSpeedModule(model, evaluation_engine=self._evaluation_engine)
+
+    def _evaluation_engine(self, wrapper: DeepSpeedModule) -> Any:
+        """An engine without optimizer, for a ZeRO-3 model set up only to evaluate: DeepSpeed gathers each
+        layer's partitions around its forward, as in training."""
+        config = {k: v for k, v in self.deepspeed_config(wrapper.module).items() if k not in _TRAINING_ONLY}
+        engine, *_ = self._deepspeed.initialize(model=wrapper.module, config=config, dist_init_required=False)
+        wrapper.__dict__["engine"] = engine
+        wrapper.__dict__["evaluation_only"] = True
+        self._engines.append(engine)
+        return engine
+
+    def _release(self, engine: Any) -> None:
+        """Destroy an engine (its hooks on the module go with it)."""
+        with contextlib.suppress(Exception):
+            engine.destroy()
+        self._engines = [e for e in self._engines if e is not engine]
 
     @hookimpl
     def forward_context(self) -> ContextManager[None]:
@@ -163,6 +182,11 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
     @hookimpl
     def setup_optimizers(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
         wrapper = _wrapper(model)
+        if wrapper.__dict__["evaluation_only"]:
+            # Evaluated before training (Trainer.validate/test/predict, then fit): the training engine replaces
+            # the engine without optimizer.
+            self._release(wrapper.__dict__["engine"])
+            wrapper.__dict__["engine"], wrapper.__dict__["evaluation_only"] = None, False
         if wrapper.__dict__["engine"] is not None:
             raise ConfigurationError(
                 "This model has its DeepSpeed engine already; set up its optimizer once."
@@ -276,9 +300,17 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
         ``stratagem checkpoint consolidate`` calls this for directories whose ``stratagem.json`` names the
         ``deepspeed`` layout. See :func:`stratagem_deepspeed.consolidate`.
         """
-        from stratagem_deepspeed._checkpoint import consolidate
+        from stratagem_deepspeed._offline import consolidate
 
         return consolidate(source, output)
+
+    @staticmethod
+    def module_weights(source: str | os.PathLike[str], key: str = "model") -> dict[str, torch.Tensor]:
+        """The whole weights of module ``key`` of a DeepSpeed-format checkpoint directory, read offline
+        (``Module.load_from_checkpoint`` calls this for directories that name the ``deepspeed`` layout)."""
+        from stratagem_deepspeed._offline import module_weights
+
+        return module_weights(source, key)
 
     # teardown --------------------------------------------------------------------------------------
     @hookimpl

@@ -259,6 +259,16 @@ class FSDPConfig:
     def from_options(cls, options: dict[str, Any]) -> FSDPConfig:
         """Build from keyword options, separating FSDP1 options that no longer apply and refusing others."""
         options = dict(options)
+        if "activation_checkpointing" in options:
+            # Lightning's former name (seed 002's signature): a class or a list of classes.
+            value = options.pop("activation_checkpointing")
+            if options.get("activation_checkpointing_policy") is not None:
+                raise _fail(
+                    "activation_checkpointing",
+                    value,
+                    "it is the former name of activation_checkpointing_policy; give only that one.",
+                )
+            options["activation_checkpointing_policy"] = value
         legacy = {k: options.pop(k) for k in list(options) if k in NO_LONGER_APPLY}
         for name in options:
             if name in REFUSED:

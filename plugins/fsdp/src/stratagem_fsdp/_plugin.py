@@ -14,7 +14,7 @@ def _capabilities(min_world_size: int = 1) -> Capabilities:
     return Capabilities(
         accelerators={"cpu", "cuda"},
         # 16-mixed is CUDA-only; the core refuses it on CPU whatever is declared here.
-        precisions={"32-true", "bf16-mixed", "bf16-true", "16-mixed"},
+        precisions={"32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"},
         checkpoint_formats={"full", "sharded"},
         min_world_size=min_world_size,
         max_world_size=None,

@@ -105,6 +105,7 @@ def contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
 
 
 _MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_TRUE = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
 def mixed_precision(precision: str, override: MixedPrecisionPolicy | None = None) -> MixedPrecisionPolicy:
@@ -116,9 +117,10 @@ def mixed_precision(precision: str, override: MixedPrecisionPolicy | None = None
         # Compute in the low precision, reduce gradients in float32: the sharded parameters and the
         # optimizer stay float32.
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    if precision == "bf16-true":
-        # The parameters are bf16 already; the policy casts floating-point inputs to match them.
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    true_dtype = _TRUE.get(precision)
+    if true_dtype is not None:
+        # The parameters are bf16 / float16 already; the policy casts floating-point inputs to match them.
+        return MixedPrecisionPolicy(param_dtype=true_dtype, reduce_dtype=true_dtype)
     return MixedPrecisionPolicy()
 
 

@@ -12,7 +12,7 @@ def _capabilities(min_world_size: int) -> Capabilities:
     return Capabilities(
         accelerators={"cpu", "cuda"},
         # 16-mixed is not declared: its gradient scaler is untested with tensor-parallel DTensor gradients.
-        precisions={"32-true", "bf16-mixed", "bf16-true"},
+        precisions={"32-true", "bf16-mixed", "bf16-true", "16-true"},
         checkpoint_formats={"full", "sharded"},
         min_world_size=min_world_size,
         max_world_size=None,
