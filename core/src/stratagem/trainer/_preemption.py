@@ -73,6 +73,7 @@ class Preemption:
         self.stopping: dict[str, Any] | None = None
         #: The preemption record of the checkpoint ``fit`` resumed from, if it was a preemption's.
         self.resumed: dict[str, Any] | None = None
+        self._group: Any = None  # the agreement's gloo group, on an accelerator
 
     def job_fields(self) -> dict[str, Any]:
         """What the launcher needs to know (see :class:`~stratagem.launchers.LaunchJob`)."""
@@ -115,13 +116,26 @@ class Preemption:
         if self.engine.world_size > 1:
             # max of (caught, -time, signal): any rank, the earliest time, one signal; one collective.
             local = [1.0, -caught[1], float(caught[0])] if caught else [0.0, float("-inf"), 0.0]
-            flag = torch.tensor(local, dtype=torch.float64, device=self.engine.device)
-            reduced = self.engine.all_reduce(flag, "max").tolist()
+            reduced = self._all_reduce_max(local)
             caught = (int(reduced[2]), -reduced[1]) if reduced[0] > 0 else None
         if caught is None:
             return False
         self.stopping = {"signal": signal.Signals(caught[0]).name, "received": caught[1]}
         return True
+
+    def _all_reduce_max(self, values: list[float]) -> list[float]:
+        if self.engine.device.type == "cpu":
+            flag = torch.tensor(values, dtype=torch.float64)
+            return self.engine.all_reduce(flag, "max").tolist()
+        # On an accelerator, reading the result back would wait for the step's queued kernels, every step:
+        # agree on the CPU, through a gloo group of the preemption's own.
+        import torch.distributed as dist
+
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        flag = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return flag.tolist()
 
     def record(self, step: int) -> dict[str, Any] | None:
         """What the checkpoint of the stopping step keeps of the preemption (``None`` for another checkpoint)."""
