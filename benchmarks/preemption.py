@@ -21,6 +21,7 @@ Then the cost of being ready: step time of a 2-process ddp Trainer with the defa
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import re
@@ -68,7 +69,9 @@ def trial(strategy: str, target: str, at: int, args: argparse.Namespace, want: d
     launcher = subprocess.Popen(line, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while (seen := progress(marks, 0)) is None or seen[0] < at:
         if launcher.poll() is not None:
-            raise RuntimeError(f"{strategy}: the run ended before step {at}:\n{launcher.communicate()[1][-3000:]}")
+            raise RuntimeError(
+                f"{strategy}: the run ended before step {at}:\n{launcher.communicate()[1][-3000:]}"
+            )
         time.sleep(0.005)
     rank = random.randrange(2)
     pid = launcher.pid if target == "launcher" else progress(marks, rank)[1]  # type: ignore[index]
@@ -140,7 +143,7 @@ def overhead_worker(args: argparse.Namespace) -> None:
     data = wl.dataset(n=8 * 64)
     trainer.fit(wl.Regression(width=args.width), DataLoader(data, batch_size=8, shuffle=True))
     if trainer.is_global_zero:
-        times = [b - a for a, b in zip(stamps[10:], stamps[11:])]  # the first steps warm up
+        times = [b - a for a, b in itertools.pairwise(stamps[10:])]  # the first steps warm up
         Path(args.times).write_text("\n".join(repr(t) for t in times))
 
 

@@ -31,7 +31,17 @@ def test_a_requeued_job_resumes_from_its_preemption_checkpoint_bit_for_bit(
     progress.mkdir()
     monkeypatch.setenv("SG_PROGRESS_DIR", str(progress))  # sbatch hands this environment to the job
     runs, out = tmp_path / "runs", tmp_path / "out"
-    train = [sys.executable, str(SCRIPT), *ARGS, "--root", str(runs), "--out", str(out), "--step-sleep", "0.4"]
+    train = [
+        sys.executable,
+        str(SCRIPT),
+        *ARGS,
+        "--root",
+        str(runs),
+        "--out",
+        str(out),
+        "--step-sleep",
+        "0.4",
+    ]
     # `exec`: the batch step is srun itself, which passes the signal on to the tasks (a shell would die of it).
     (tmp_path / "job.sh").write_text("#!/bin/bash\nexec srun " + " ".join(train) + "\n")
     submitted = slurm.run(
@@ -42,13 +52,15 @@ def test_a_requeued_job_resumes_from_its_preemption_checkpoint_bit_for_bit(
     job = submitted.stdout.strip().split(";")[0]
     deadline = time.monotonic() + 90
     while not (progress / "rank0").is_file() or int((progress / "rank0").read_text().split()[0]) < 2:
-        assert time.monotonic() < deadline, slurm.jobs() + [(tmp_path / "job.out").read_text()[-3000:]]
+        assert time.monotonic() < deadline, [*slurm.jobs(), (tmp_path / "job.out").read_text()[-3000:]]
         time.sleep(0.05)
     signalled = slurm.run("scancel", "--batch", "--signal=USR1", job)
     assert signalled.returncode == 0, signalled.stderr
     assert slurm.wait_for_empty_queue(timeout=120) == [], (tmp_path / "job.out").read_text()[-4000:]
     log = (tmp_path / "job.out").read_text()
-    assert _job_field(slurm, job, "JobState") == "COMPLETED" and _job_field(slurm, job, "Restarts") == "1", log
+    assert _job_field(slurm, job, "JobState") == "COMPLETED" and _job_field(slurm, job, "Restarts") == "1", (
+        log
+    )
     stopped = re.search(r"preempted by SIGUSR1 at step (\d+): saved (\S+) ", log)
     assert stopped, log[-4000:]
     step = int(stopped.group(1))
