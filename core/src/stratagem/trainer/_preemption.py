@@ -161,8 +161,6 @@ class Preemption:
         preempted = Preempted(message, signal=name, step=step, checkpoint=path)
         trainer._on_exception(preempted)  # loggers close their runs, on every rank
         _preemption.write_note({**self.stopping, "step": step, "checkpoint": path, "rank": self.engine.rank})
-        # Nobody exits before everyone has written: the launcher stops the others once one has exited.
-        self.engine.barrier("preempted")
         trainer.print(message)
         if took > grace:
             trainer.print(
@@ -171,9 +169,12 @@ class Preemption:
                 "Kubernetes: terminationGracePeriodSeconds), or make steps and checkpoints shorter."
             )
         if self.engine.is_global_zero:
+            # Rank 0 has the checkpoint published (every rank's part written) and its loggers closed.
             said = requeue_slurm_job(self.options.slurm_requeue)
             if said:
                 trainer.print(said)
+        # Nobody exits before everyone is done here: a launcher stops the others once one has exited.
+        self.engine.barrier("preempted")
         raise preempted
 
 
