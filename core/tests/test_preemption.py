@@ -6,6 +6,7 @@ restart whose cause is the preemption."""
 
 from __future__ import annotations
 
+import random
 import signal
 import sys
 from pathlib import Path
@@ -25,12 +26,19 @@ import sg_workloads as wl
 STEPS = 8
 
 
-def _fit(root: Path, *, signal_at: int | None = None, ckpt_path: str | None = None, **options: Any) -> Any:
+def _fit(
+    root: Path,
+    *,
+    signal_at: int | None = None,
+    ckpt_path: str | None = None,
+    steps: int = STEPS,
+    **options: Any,
+) -> Any:
     """Train (dropout and a shuffled loader: every RNG matters); SIGTERM to this process during step
     ``signal_at`` (counted from 0). Returns the parameters, or the ``Preempted`` it raised."""
     trainer = sg.Trainer(
         accelerator="cpu",
-        max_steps=STEPS,
+        max_steps=steps,
         default_root_dir=root,
         seed=7,
         enable_progress_bar=False,
@@ -85,6 +93,27 @@ def test_a_signal_stops_at_the_steps_end_with_its_checkpoint_and_the_resumed_run
     untrained = wl.Regression()
     untrained.configure_model()
     assert not torch.equal(untrained.state_dict()["net.0.weight"], straight["net.0.weight"])
+
+
+def test_ten_trials_at_random_steps_each_resume_bit_for_bit(tmp_path: Path) -> None:
+    # 20 steps: past the end of the first epoch (12 batches), so some trials resume in the second one.
+    seed = random.SystemRandom().randrange(10**6)
+    rng = random.Random(seed)
+    straight = _fit(tmp_path / "straight", steps=20)
+    for trial in range(10):
+        at, every, async_checkpoint = rng.randrange(19), rng.choice([None, 3]), rng.random() < 0.5
+        what = (
+            f"seed {seed}, trial {trial}: SIGTERM during step {at}, every {every}, async {async_checkpoint}"
+        )
+        options = {"async_checkpoint": async_checkpoint, "checkpoint_every_n_steps": every, "steps": 20}
+        root = tmp_path / f"trial{trial}"
+        preempted = _fit(root, signal_at=at, **options)
+        assert isinstance(preempted, sg.Preempted) and preempted.step == at + 1, what
+        assert (root / "checkpoints" / "last").read_text().strip() == f"step-{at + 1:06d}.ckpt", what
+        resumed = _fit(root, ckpt_path="last", **options)
+        assert isinstance(resumed, dict), (what, resumed)
+        for name, value in straight.items():
+            assert torch.equal(resumed[name], value), (what, name)
 
 
 def test_no_preemption_signals_leaves_the_signals_alone(tmp_path: Path) -> None:
