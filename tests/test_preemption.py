@@ -58,7 +58,7 @@ def _preempted_run(root: Path, strategy: str, extra: list[str], target: str, at:
     """Run until rank 0 begins step ``at``, SIGTERM to ``target`` (the launcher, or a random worker); the
     launcher's stderr and the seconds from the signal to its exit."""
     progress = root / f"progress-{at}"
-    progress.mkdir()
+    progress.mkdir(parents=True)
     env = {**os.environ, "SG_PROGRESS_DIR": str(progress)}
     command = _command(root, strategy, [*extra, "--step-sleep", "0.25", "--ckpt-path", "last"])
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
