@@ -185,3 +185,33 @@ class WorkerFailedError(StratagemError, RuntimeError):
         self.detail = detail
         who = f"rank {rank}" if rank is not None else "a worker"
         super().__init__(f"Training failed: {who} exited with code {exitcode}.\n{detail}".rstrip())
+
+
+#: The exit code of a preempted run: ``EX_TEMPFAIL`` of sysexits.h, "a temporary failure: try again later".
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(SystemExit):
+    """The run stopped for a preemption signal after saving a checkpoint of the step every rank reached.
+
+    A ``SystemExit`` with code :data:`PREEMPTED_EXIT_CODE` (75): the script ends there (an ``except Exception``
+    around ``fit`` does not catch it), and the process exits with 75. Run it again with ``ckpt_path="last"``,
+    or let the scheduler requeue it, to continue bit for bit.
+
+    :param message: what happened, as the run reports it.
+    :param signal: the signal's name (``"SIGTERM"``).
+    :param step: the step whose checkpoint was saved (``None`` if none was).
+    :param checkpoint: that checkpoint's path.
+    """
+
+    def __init__(
+        self, message: str, *, signal: str, step: int | None = None, checkpoint: str | None = None
+    ) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.message = message
+        self.signal = signal
+        self.step = step
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return self.message

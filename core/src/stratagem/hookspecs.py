@@ -477,7 +477,8 @@ def on_exception(trainer: Any, exception: BaseException) -> None:
     """An error escaped the training loop on this rank; it is raised again after the callbacks have run.
 
     Every implementation runs, on the failing rank only (its peers fail when the launcher stops them), for an
-    error between ``on_fit_start`` and ``on_fit_end`` (an error while loading a checkpoint comes before).
+    error between ``on_fit_start`` and ``on_fit_end`` (an error while loading a checkpoint comes before). A
+    preemption calls it on every rank with :class:`stratagem.Preempted`, after its checkpoint is written.
 
     :param trainer: the Trainer.
     :param exception: the error.

@@ -230,6 +230,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--restart-from-scratch", action="store_true")
     p.add_argument("--async-ckpt", action="store_true", help="Trainer(async_checkpoint=True)")
     p.add_argument("--width", type=int, default=32, help="hidden units of the model")
+    p.add_argument("--grace", type=float, default=30.0, help="Trainer(preemption_grace_s=...)")
+    p.add_argument("--no-preemption", action="store_true", help="Trainer(preemption_signals=())")
     p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     p.add_argument(
         "--launcher-options",
@@ -268,6 +270,8 @@ def main(argv: list[str]) -> None:
             async_checkpoint=args.async_ckpt,
             launcher=_launcher(args),
             launcher_options=_launcher_options(args.launcher_options),
+            preemption_grace_s=args.grace,
+            **({"preemption_signals": ()} if args.no_preemption else {}),
         )
         module = Regression(
             dropout=args.dropout, optimizer=args.optimizer, scheduler=args.scheduler, width=args.width
@@ -276,6 +280,8 @@ def main(argv: list[str]) -> None:
             module.training_step = _failing(module.training_step, trainer, args)  # type: ignore[method-assign]
         if args.step_sleep:
             module.training_step = _slowed(module.training_step, args.step_sleep)  # type: ignore[method-assign]
+        if os.environ.get("SG_PROGRESS_DIR"):
+            module.training_step = _noting_progress(module.training_step, trainer)  # type: ignore[method-assign]
         if args.faults:
             module.training_step = _scheduled_faults(module.training_step, trainer, args.faults)  # type: ignore[method-assign]
         loader = DataLoader(data, batch_size=args.batch, shuffle=args.shuffle)
@@ -322,6 +328,20 @@ def _ray_node_id() -> str | None:
 def _slowed(step: Any, seconds: float) -> Any:
     def training_step(batch: Any, batch_idx: int) -> Any:
         time.sleep(seconds)
+        return step(batch, batch_idx)
+
+    return training_step
+
+
+def _noting_progress(step: Any, trainer: sg.Trainer) -> Any:
+    """Each rank writes ``STEPS PID`` to ``$SG_PROGRESS_DIR/rank<R>`` as a step begins (STEPS: those done so
+    far), for a test to send a signal at a chosen step and to count the steps a preemption lost."""
+    folder = Path(os.environ["SG_PROGRESS_DIR"])
+
+    def training_step(batch: Any, batch_idx: int) -> Any:
+        note = folder / f"rank{trainer.engine.rank}"
+        note.with_suffix(".tmp").write_text(f"{trainer.global_step} {os.getpid()}")
+        note.with_suffix(".tmp").replace(note)
         return step(batch, batch_idx)
 
     return training_step

@@ -83,7 +83,8 @@ class Cluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.socket}",
+            # A requeued job may start again cred_expire + 1 s after its requeue (default 120 s).
+            f"AuthInfo=socket={self.socket},cred_expire=5",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
@@ -104,6 +105,8 @@ class Cluster:
             # A cancelled job's processes get SIGKILL this soon after SIGTERM.
             "KillWait=2",
             "InactiveLimit=0",
+            # Pending jobs (a requeued one) are looked at every second, not every 30 to 60.
+            "SchedulerParameters=sched_interval=1,bf_interval=1",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
             f"PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         ]

@@ -81,11 +81,12 @@ class Launching:
             **fields,
         )
 
-    def supervise(self) -> None:
+    def supervise(self, **job: Any) -> None:
         """Re-run this very command in the workers, then end this process with their status (it only
-        supervises: the rest of the script ran in the workers)."""
+        supervises: the rest of the script ran in the workers). ``job``: more fields of the
+        :class:`~stratagem.launchers.LaunchJob` (the Trainer's preemption settings)."""
         try:
-            self._run_job(self._job("script", command=agent.current_command()))
+            self._run_job(self._job("script", command=agent.current_command(), **job))
         except WorkerFailedError as error:
             raise SystemExit(f"stratagem: {error}") from None
         raise SystemExit(0)

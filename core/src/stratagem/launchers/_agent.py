@@ -4,13 +4,18 @@ The agent (``LocalElasticAgent``) starts the workers, watches them and, when one
 stops the group and starts it again. What failed is known only inside the agent; stratagem's agent writes it
 down (rank, exit code or signal, the worker's recorded exception, time) as one JSON line per failed attempt in
 the file named by ``STRATAGEM_RESTART_LOG``, which the restarted workers read to report the restart and the
-work it cost. Everything else is the agent's own behaviour.
+work it cost.
+
+A preemption signal (:mod:`stratagem.launchers._preemption`) that reaches the agent goes on to the workers, which
+get the grace period to save and stop, and workers that stopped for a preemption are not restarted: the run ends
+with :class:`~stratagem.errors.Preempted`. Everything else is the agent's own behaviour.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -21,6 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stratagem.errors import PREEMPTED_EXIT_CODE
+from stratagem.launchers import _preemption
 from stratagem.launchers._failures import describe
 from stratagem.launchers._restarts import RESTART_COUNT_ENV, RESTART_LOG_ENV
 
@@ -37,10 +44,27 @@ def _agent_class() -> type:
     class RecordingAgent(LocalElasticAgent):
         """The local agent, noting each failed attempt before it restarts the group."""
 
-        def __init__(self, *args: Any, restart_log: Path, worker_tmp: Path, **kwargs: Any) -> None:
+        def __init__(
+            self,
+            *args: Any,
+            restart_log: Path,
+            worker_tmp: Path,
+            preemption_signals: tuple[str, ...] = (),
+            grace_s: float = _preemption.DEFAULT_GRACE_S,
+            **kwargs: Any,
+        ) -> None:
             super().__init__(*args, **kwargs)
             self.restart_log = restart_log
             self.worker_tmp = worker_tmp
+            self.preemption_signals = {getattr(signal, name) for name in preemption_signals}
+            self.grace_s = grace_s
+            #: The preemption signal this process got, and when (wall clock).
+            self.preempted_by: str | None = None
+            self.preempted_at: float | None = None
+            #: Whether the workers ended for a preemption that reached them (and not this process).
+            self.workers_preempted = False
+            #: Workers the agent stopped (they did not fail).
+            self.stopped_pids: set[int] = set()
 
         def _start_workers(self, worker_group: Any) -> Any:
             # torch.multiprocessing names a file per function worker in the temporary directory, where a
@@ -52,6 +76,26 @@ def _agent_class() -> type:
                 return super()._start_workers(worker_group)
             finally:
                 tempfile.tempdir = saved
+                self._stop_at_once()
+
+        def _stop_at_once(self) -> None:
+            # Once a worker failed, torch stops the others with SIGTERM and waits up to 30 s. A worker that
+            # catches SIGTERM as a preemption would save instead, and one blocked in a collective would not see
+            # the signal before the collective ends: stop them with SIGKILL. A signal the agent passes on (a
+            # preemption) is given explicitly and stays what it is.
+            context = self._pcontext
+            if context is None or getattr(context, "_stratagem_stops", False):
+                return
+            close = context.close
+
+            def stopping_close(death_sig: Any = None, timeout: int = 30) -> None:
+                if death_sig is None:
+                    self.stopped_pids.update(_running_pids(context))
+                    death_sig = signal.SIGKILL
+                close(death_sig, timeout)
+
+            context.close = stopping_close
+            context._stratagem_stops = True
 
         def _restart_workers(self, worker_group: Any) -> None:
             # Restarts for a failure and for a node joining alike: the new workers must resume either way,
@@ -62,9 +106,50 @@ def _agent_class() -> type:
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
-            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts > 0:
+            if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                return result
+            # The workers torch stopped because another failed are on its list too, "for bookkeeping": they
+            # did not fail.
+            failures = {r: f for r, f in result.failures.items() if f.pid not in self.stopped_pids}
+            result.failures = failures or result.failures
+            if any(f.exitcode == PREEMPTED_EXIT_CODE for f in result.failures.values()):
+                # A preemption is no failure to restart from: the machine is being taken back. A worker exits
+                # with this code only after every rank has saved and passed the barrier that follows.
+                self.workers_preempted = True
+                self._remaining_restarts = 0
+            elif self._remaining_restarts > 0:
                 self._note(worker_group, result)
             return result
+
+        def _stop_workers(self, worker_group: Any, *args: Any, **kwargs: Any) -> None:
+            # For a restart, or after the last failure: at once (see _stop_at_once).
+            if self._pcontext is not None:
+                self.stopped_pids.update(_running_pids(self._pcontext))
+            self._shutdown(signal.SIGKILL)
+
+        def _invoke_run(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.elastic.multiprocessing import SignalException
+
+            try:
+                return super()._invoke_run(*args, **kwargs)
+            except SignalException as error:
+                # torch's handler raised: the agent's shutdown passes the signal on to the workers next.
+                if error.sigval in self.preemption_signals and self.preempted_by is None:
+                    self.preempted_by, self.preempted_at = signal.Signals(error.sigval).name, time.time()
+                    _ignore(self.preemption_signals)  # a second signal must not cut the wait short
+                    print(
+                        f"stratagem: {self.preempted_by}: passed on to the workers; waiting up to "
+                        f"{self.grace_s:g} s for them to save and stop.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                raise
+
+        def _shutdown(self, death_sig: Any = signal.SIGTERM, timeout: int = 30) -> None:
+            if self.preempted_by is not None and death_sig == getattr(signal, self.preempted_by):
+                # The workers save and stop: they get the grace period, not the seconds of a plain shutdown.
+                timeout = self.grace_s  # type: ignore[assignment]
+            super()._shutdown(death_sig, timeout)
 
         def _note(self, worker_group: Any, result: Any) -> None:
             spec = worker_group.spec
@@ -87,6 +172,14 @@ def _agent_class() -> type:
             )
 
     return RecordingAgent
+
+
+def _running_pids(context: Any) -> set[int]:
+    """The workers of a torch process context that are still running (a script's or a function's)."""
+    handlers = getattr(context, "subprocess_handlers", None) or {}
+    running = {h.proc.pid for h in handlers.values() if h.proc.poll() is None}
+    processes = getattr(getattr(context, "_pc", None), "processes", None) or []
+    return running | {p.pid for p in processes if p.is_alive()}
 
 
 def _addr_and_port(backend: str, endpoint: str) -> tuple[str | None, int | None]:
@@ -147,6 +240,7 @@ def run_agent(
     )
     worker_tmp = scratch / "tmp"
     worker_tmp.mkdir(exist_ok=True)
+    signals, grace_s = _preemption.from_env()
     agent = _agent_class()(
         spec=spec,
         # Without a log_dir the agent makes a folder of its own in the temporary directory and leaves it there.
@@ -155,10 +249,14 @@ def run_agent(
         shutdown_timeout=shutdown_timeout,
         restart_log=scratch / RESTART_LOG,
         worker_tmp=worker_tmp,
+        preemption_signals=signals,
+        grace_s=grace_s,
     )
     try:
-        with _signal_handlers_kept():
+        with _signal_handlers_kept(signals), _agent_handles(signals):
             result = agent.run()
+        if result.is_failed() and agent.workers_preempted:
+            raise _preemption.report(None, None, _preemption.read_notes(scratch), grace_s)
         if result.is_failed():
             name = (
                 entrypoint if isinstance(entrypoint, str) else getattr(entrypoint, "__qualname__", "worker")
@@ -166,6 +264,9 @@ def run_agent(
             raise ChildFailedError(name=name, failures=result.failures)
         return result.return_values
     except SignalException as error:
+        if agent.preempted_by is not None:
+            notes = _preemption.read_notes(scratch)
+            raise _preemption.report(agent.preempted_by, agent.preempted_at, notes, grace_s) from None
         if error.sigval != signal.SIGINT:
             raise
         # Ctrl-C: the agent has stopped the workers; say it as Python does.
@@ -176,16 +277,47 @@ def run_agent(
 
 #: The signals torch's agent turns into ``SignalException`` once it has started workers.
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+#: Where torch's agent reads which signals to handle (torchrun's ``--signals_to_handle``).
+_HANDLED_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 
 
 @contextlib.contextmanager
-def _signal_handlers_kept() -> Iterator[None]:
+def _agent_handles(preemption_signals: tuple[str, ...]) -> Iterator[None]:
+    """Have torch's agent handle the preemption signals too (SIGUSR1 would otherwise end this process and leave
+    the workers running): its handler ends the monitoring, and its shutdown passes the signal on."""
+    saved = os.environ.get(_HANDLED_ENV)
+    names = list(dict.fromkeys([*(saved.split(",") if saved else _AGENT_SIGNALS), *preemption_signals]))
+    os.environ[_HANDLED_ENV] = ",".join(names)
+    # Its warning on the signal ("Received 15 death signal") says less than stratagem's own line; torch gives
+    # each of its loggers a level of its own, so the parent's (launchers/_spawn.py) does not reach this one.
+    chatty = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    level = chatty.level
+    chatty.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        chatty.setLevel(level)
+        if saved is None:
+            os.environ.pop(_HANDLED_ENV, None)
+        else:
+            os.environ[_HANDLED_ENV] = saved
+
+
+def _ignore(signals: set[Any]) -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept(extra: tuple[str, ...] = ()) -> Iterator[None]:
     # The agent installs its handlers and never puts back the ones it found: after Engine.launch(fn) returned,
     # a Ctrl-C would still raise torch's SignalException instead of KeyboardInterrupt.
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signals = [getattr(signal, name) for name in _AGENT_SIGNALS if hasattr(signal, name)]
+    names = dict.fromkeys([*_AGENT_SIGNALS, *extra])
+    signals = [getattr(signal, name) for name in names if hasattr(signal, name)]
     saved = {sig: signal.getsignal(sig) for sig in signals}
     try:
         yield

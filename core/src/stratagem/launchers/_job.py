@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
+from stratagem.launchers import _preemption
 from stratagem.registry.capabilities import LauncherCapabilities
 
 __all__ = ["LaunchJob", "LauncherCapabilities"]
@@ -28,6 +30,10 @@ class LaunchJob:
     :param accelerator: ``"cpu"`` or ``"cuda"``.
     :param env: extra environment for the workers.
     :param max_restarts: restarts of the whole worker group after a failure.
+    :param preemption_signals: signals that preempt the run: a launcher that receives one passes it on to the
+        workers (which save and stop, see ``Trainer(preemption_signals=...)``) and waits for them up to
+        ``preemption_grace_s`` seconds; then it ends with :class:`~stratagem.errors.Preempted`.
+    :param preemption_grace_s: how long the scheduler leaves between its signal and the kill.
     """
 
     kind: str = attrs.field(validator=attrs.validators.in_(("script", "function")))
@@ -42,6 +48,14 @@ class LaunchJob:
     accelerator: str = "cpu"
     env: Mapping[str, str] = attrs.field(factory=dict)
     max_restarts: int = 0
+    preemption_signals: tuple[str, ...] = attrs.field(
+        default=_preemption.DEFAULT_SIGNALS,
+        converter=functools.partial(_preemption.signal_names, option="LaunchJob(preemption_signals=...)"),
+    )
+    preemption_grace_s: float = attrs.field(
+        default=_preemption.DEFAULT_GRACE_S,
+        converter=functools.partial(_preemption.check_grace, option="LaunchJob(preemption_grace_s=...)"),
+    )
 
     @property
     def max_nodes(self) -> int:

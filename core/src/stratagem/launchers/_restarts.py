@@ -1,7 +1,8 @@
 """Restarts of the worker group, seen from the workers: how many there were, what failed, what it cost.
 
 torch's elastic agent tells each worker how many times the group restarted (``TORCHELASTIC_RESTART_COUNT``;
-another launcher may say the same through ``STRATAGEM_RESTART_COUNT``). stratagem's agent writes what failed
+another launcher may say the same through ``STRATAGEM_RESTART_COUNT``), and SLURM how many times the job was
+requeued (``SLURM_RESTART_COUNT``); a run's restarts are both together. stratagem's agent writes what failed
 before each restart to the file named by ``STRATAGEM_RESTART_LOG`` (see :mod:`stratagem.launchers._agent`); beside it,
 rank 0 keeps the newest step it finished, so that a restarted rank 0 can say how many steps were lost.
 """
@@ -19,6 +20,8 @@ import attrs
 RESTART_COUNT_ENV = "STRATAGEM_RESTART_COUNT"
 RESTART_COUNT_ENVS = (RESTART_COUNT_ENV, "TORCHELASTIC_RESTART_COUNT")
 MAX_RESTARTS_ENVS = ("STRATAGEM_MAX_RESTARTS", "TORCHELASTIC_MAX_RESTARTS")
+#: Set by SLURM in a job it requeued (absent in the job's first run).
+SLURM_RESTART_ENV = "SLURM_RESTART_COUNT"
 RESTART_LOG_ENV = "STRATAGEM_RESTART_LOG"
 #: ``RANK: why`` of the failure that caused this restart, from a launcher that keeps no restart log.
 LAST_FAILURE_ENV = "STRATAGEM_LAST_FAILURE"
@@ -36,8 +39,13 @@ def _first_int(names: tuple[str, ...]) -> int:
 
 
 def restart_count() -> int:
-    """How many times this worker group was restarted (0 in the first attempt)."""
-    return _first_int(RESTART_COUNT_ENVS)
+    """How many times this worker group was restarted (0 in the first attempt), SLURM's requeues included."""
+    return _first_int(RESTART_COUNT_ENVS) + slurm_requeues()
+
+
+def slurm_requeues() -> int:
+    """How many times SLURM requeued the job this process runs in (0 outside SLURM)."""
+    return _first_int((SLURM_RESTART_ENV,))
 
 
 def max_restarts() -> int:
@@ -85,8 +93,9 @@ def failures() -> list[dict[str, Any]]:
     return entries
 
 
-def latest_restart(resumed_step: int) -> Restart:
-    """This attempt's restart, as far as this node knows it."""
+def latest_restart(resumed_step: int, preempted: dict[str, Any] | None = None) -> Restart:
+    """This attempt's restart, as far as this node knows it. ``preempted``: the preemption record of the
+    checkpoint it resumed from, the cause when no failure is on record (a requeued SLURM job)."""
     attempt = restart_count()
     entries = failures()
     entry = entries[-1] if entries else {}
@@ -94,11 +103,16 @@ def latest_restart(resumed_step: int) -> Restart:
         # A launcher without a restart log (Ray) hands the failure over in the environment.
         rank, _, why = os.environ[LAST_FAILURE_ENV].partition(":")
         entry = {"rank": int(rank) if rank.isdigit() else None, "why": why.strip()}
+    reached = reached_step()
+    if not entry and preempted is not None:
+        by = " (SLURM requeued the job)" if slurm_requeues() else ""
+        entry = {"why": f"preempted by {preempted.get('signal')} at step {preempted.get('step')}{by}"}
+        reached = reached if reached is not None else preempted.get("step")
     return Restart(
         attempt=attempt,
         rank=entry.get("rank"),
         why=str(entry.get("why") or _unknown_failure()),
-        reached_step=reached_step(),
+        reached_step=reached,
         resumed_step=resumed_step,
     )
 

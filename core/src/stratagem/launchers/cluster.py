@@ -82,6 +82,13 @@ def launched_externally(environ: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
+def slurm_job(environ: Mapping[str, str] | None = None) -> str | None:
+    """The id of the SLURM job this process runs in (a batch script, an ``srun`` task, or a worker that a
+    launcher started inside the job), or ``None`` outside SLURM."""
+    env = os.environ if environ is None else environ
+    return env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
+
+
 def _slurm_master_addr(nodelist: str) -> str:
     # "node[003-005,007],gpu1" -> "node003"
     first = re.split(r",(?![^\[]*\])", nodelist)[0]

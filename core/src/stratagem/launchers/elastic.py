@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from stratagem.hookspecs import hookimpl
+from stratagem.launchers import _preemption
 from stratagem.launchers import _spawn as agent
 from stratagem.launchers._job import LaunchJob
 from stratagem.launchers.base import Launcher
@@ -21,7 +22,8 @@ class ElasticLauncher(Launcher):
             nnodes=job.nnodes,
             node_rank=job.node_rank,
             rdzv_endpoint=job.rdzv_endpoint,
-            env=dict(job.env),
+            # The agent passes the preemption signals on to the workers (see launchers/_preemption.py).
+            env={**job.env, **_preemption.launcher_env(job.preemption_signals, job.preemption_grace_s)},
             max_restarts=job.max_restarts,
         )
         if job.kind == "script":

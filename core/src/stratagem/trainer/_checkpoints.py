@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from stratagem.registry._manager import TrainerEventHooks
     from stratagem.trainer._optimizers import Scheduler
     from stratagem.trainer._options import TrainerOptions
+    from stratagem.trainer._preemption import Preemption
     from stratagem.trainer._recovery import Recovery
     from stratagem.trainer.module import Module
 
@@ -49,6 +50,7 @@ class CheckpointingMixin:
     lr_schedulers: list[Scheduler]
     _events: TrainerEventHooks
     _recovery: Recovery
+    _preemption: Preemption
     _epoch_rng: dict[str, Any] | None
     _resume: dict[str, Any] | None
     _last_saved_step: int | None
@@ -94,6 +96,9 @@ class CheckpointingMixin:
             state["hyperparameters"] = dict(self.module.hparams)
         if "on_save_checkpoint" in self._events.implemented:
             state["callbacks"] = PerRank(self._events.collect_states(self, str(path)))
+        preempted = self._preemption.record(self.position.step)
+        if preempted is not None:  # the checkpoint a preemption stopped at says so
+            state["preempted"] = preempted
         self.engine.save(
             path,
             state,
@@ -180,6 +185,7 @@ class CheckpointingMixin:
         if isinstance(rest.get("callbacks"), dict):
             self._events.restore_states(self, str(path), rest["callbacks"])
         self._last_saved_step = self.position.step
+        self._preemption.resumed = rest.get("preempted") if isinstance(rest.get("preempted"), dict) else None
         self.print(f"Resumed from {path} at step {self.position.step} (epoch {self.position.epoch}).")
 
     def _save_periodic(self) -> None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from stratagem.trainer._metrics import MetricStore
     from stratagem.trainer._optimizers import Scheduler
     from stratagem.trainer._options import TrainerOptions
+    from stratagem.trainer._preemption import Preemption
     from stratagem.trainer._recovery import Recovery
 
 
@@ -35,6 +36,7 @@ class TrainingLoop:
     should_stop: bool
     _events: TrainerEventHooks
     _recovery: Recovery
+    _preemption: Preemption
     _train_metrics: MetricStore
     _bar: ProgressBar | None
     _epoch_rng: dict[str, Any] | None
@@ -59,6 +61,7 @@ class TrainingLoop:
         self.model.train()
         recovery = self._recovery
         recovery.start()
+        self._preemption.arm()
         events = self._events
         self.should_stop = False
         try:
@@ -75,11 +78,13 @@ class TrainingLoop:
             if periodic and self._last_saved_step != self.position.step:
                 self._save_periodic()
             self.engine.wait_for_checkpoint()  # fit returns with every checkpoint written (or raises)
+            self._preemption.exit_if_stopped(self)  # raises Preempted (a SystemExit) once the ranks agreed
             events.call("on_fit_end", trainer=self)
         except Exception as error:
             self._on_exception(error)
             raise
         finally:
+            self._preemption.disarm()
             recovery.stop()
             self._bar.close()
         summary = recovery.summary()
@@ -198,10 +203,13 @@ class TrainingLoop:
         if validating:
             self._run_validation(val_loader)
         by_steps = opts.checkpoint_every_n_steps and position.step % opts.checkpoint_every_n_steps == 0
-        if self._recovery.save_due() or by_steps:
+        preempted = self._preemption.agreed()  # a collective: every rank stops at this step, or none does
+        if preempted or self._recovery.save_due() or by_steps:
             beat(position.step, batch_idx, "checkpoint")
             self._save_periodic()
         beat(position.step, batch_idx + 1, "data")
+        if preempted:
+            return True
         if (logging or validating) and self._stop_agreed():
             return True
         return opts.max_steps is not None and position.step >= opts.max_steps

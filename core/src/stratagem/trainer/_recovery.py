@@ -33,8 +33,11 @@ class Recovery:
         self.every_n_seconds = None if every_n_minutes is None else every_n_minutes * 60.0
         self.restart_count = _restarts.restart_count()
         self.restarted = self.restart_count > 0
-        #: Whether the metrics carry a ``restarts`` column: when restarts are allowed, by us or by torchrun.
-        self.counts_restarts = max_restarts > 0 or _restarts.max_restarts() > 0
+        #: Whether the metrics carry a ``restarts`` column: when restarts are allowed, by us or by torchrun, or
+        #: SLURM requeued the job.
+        self.counts_restarts = (
+            max_restarts > 0 or _restarts.max_restarts() > 0 or _restarts.slurm_requeues() > 0
+        )
         self.restarts: list[_restarts.Restart] = []
         self._last_save = time.monotonic()
         self._watchdog: Watchdog | None = None
@@ -51,11 +54,12 @@ class Recovery:
             self.restarted = bool(self.engine.all_reduce(torch.tensor(float(self.restarted)), "max").item())
         return "last" if self.restarted else requested
 
-    def resumed(self, step: int) -> str | None:
-        """Note where a restarted group resumed; the report rank 0 prints (``None`` in a first attempt)."""
+    def resumed(self, step: int, preempted: dict[str, Any] | None = None) -> str | None:
+        """Note where a restarted group resumed; the report rank 0 prints (``None`` in a first attempt).
+        ``preempted``: the preemption record of the checkpoint it resumed from."""
         if not self.restarted:
             return None
-        restart = _restarts.latest_restart(resumed_step=step)
+        restart = _restarts.latest_restart(resumed_step=step, preempted=preempted)
         self.restarts.append(restart)
         return "stratagem: " + restart.describe(_restarts.max_restarts())
 

@@ -29,6 +29,7 @@ from stratagem.trainer._metrics import MetricStore
 from stratagem.trainer._model_calls import redirected_forward
 from stratagem.trainer._optimizers import Scheduler
 from stratagem.trainer._options import TrainerOptions
+from stratagem.trainer._preemption import Preemption, PreemptionOptions
 from stratagem.trainer._progress import ProgressBar
 from stratagem.trainer._recovery import Recovery
 from stratagem.trainer._resume import Position
@@ -76,6 +77,10 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
     :param keep_global_batch: when resuming a checkpoint at another world size or per-process batch, change
         ``accumulate_grad_batches`` so that an optimizer step takes as many samples as in the run that wrote it,
         where a whole number of batches does; ``False`` keeps the script's setting. See docs/fault-tolerance.md.
+    :param preemption_signals: signals that preempt the run (``()``: none): every rank stops at the same step,
+        saves it, and the run exits with code 75 (:class:`~stratagem.Preempted`). See docs/fault-tolerance.md.
+    :param preemption_grace_s: the seconds the scheduler leaves between its signal and the kill.
+    :param slurm_requeue: a preempted SLURM job requeues itself (default: when it may and SLURM is not ending it).
     :param launcher: how the workers start (see :class:`~stratagem.Engine`): ``"auto"``, a name, or an instance.
     :param launcher_options: options for the named launcher (``{"partition": "gpu"}`` for ``"slurm"``).
     :param callbacks: objects whose methods implement Trainer events with ``@stratagem.hookimpl``
@@ -118,6 +123,9 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         loggers: Any = None,
         async_checkpoint: bool = False,
         keep_global_batch: bool = True,
+        preemption_signals: Any = ("SIGTERM", "SIGUSR1"),
+        preemption_grace_s: float = 30.0,
+        slurm_requeue: bool | None = None,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -139,6 +147,9 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
             restart_from_scratch=restart_from_scratch,
             async_checkpoint=async_checkpoint,
             keep_global_batch=keep_global_batch,
+        )
+        preemption = PreemptionOptions(
+            signals=preemption_signals, grace_s=preemption_grace_s, slurm_requeue=slurm_requeue
         )
         self.engine = Engine(
             strategy=strategy,
@@ -162,6 +173,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
             every_n_minutes=checkpoint_every_n_minutes,
             max_restarts=max_restarts,
         )
+        self._preemption = Preemption(self.engine, preemption)
         if checkpoint_format is not None:
             caps = self.engine.capabilities
             if caps is not None and checkpoint_format not in caps.checkpoint_formats:
@@ -262,7 +274,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
             self._load_for_resume(resume_from)
-        report = self._recovery.resumed(self.position.step)
+        report = self._recovery.resumed(self.position.step, self._preemption.resumed)
         if report is not None:
             self.print(report)
         train_loader = self._prepare_loader(train_dataloaders)
@@ -288,7 +300,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
 
     def _launch(self) -> None:
         _fit_checks.check_relaunchable(self.engine.devices)
-        self.engine.supervise()
+        self.engine.supervise(**self._preemption.job_fields())
 
     # set-up ----------------------------------------------------------------------------------------
     def _setup(self, model: Module, *, with_optimizers: bool) -> None:

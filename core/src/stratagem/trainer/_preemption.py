@@ -1,0 +1,221 @@
+"""Preemption in the Trainer: a signal that reaches any process of the run (the launcher or a worker) stops every
+rank at the same step boundary, with a checkpoint of that step, and ends the run with
+:class:`~stratagem.errors.Preempted` (exit code 75), which the next run resumes bit for bit.
+
+- While ``fit`` trains, each worker catches ``Trainer(preemption_signals=...)``: the handler only notes the
+  signal and when it came. A launcher that gets one passes it on to its workers
+  (:mod:`stratagem.launchers._preemption`); a signal sent to one worker alone reaches the others through the
+  agreement below.
+- At each step boundary (after the step's validation, where a periodic checkpoint is written) the ranks agree
+  through one three-element all-reduce: whether any rank was signalled, the earliest time one was, and which
+  signal. The step on which they agree is saved like a periodic checkpoint (waiting for an asynchronous save in
+  flight), the pending metrics are written and the loggers close; then every rank exits.
+- In a SLURM job, rank 0 requeues the job last (``scontrol requeue``): the requeued job restarts the script,
+  whose ``fit`` resumes from that checkpoint by itself (``SLURM_RESTART_COUNT`` makes it a restart).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from stratagem.checkpoint import _store
+from stratagem.errors import PREEMPTED_EXIT_CODE, ConfigurationError, Preempted
+from stratagem.launchers import _preemption, cluster
+from stratagem.trainer._run_dir import checkpoint_name
+
+if TYPE_CHECKING:
+    from stratagem.engine import Engine
+
+#: How long ``scontrol`` may take to answer before the requeue is given up (the grace period is short).
+_SCONTROL_TIMEOUT_S = 10.0
+
+
+def _requeue_mode(value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ConfigurationError(
+            f"Trainer(slurm_requeue={value!r}): give True, False, or None (requeue when the job may be requeued "
+            "and SLURM is not ending it already)."
+        )
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class PreemptionOptions:
+    """``Trainer(preemption_signals=..., preemption_grace_s=..., slurm_requeue=...)``, checked when the Trainer
+    is made."""
+
+    signals: tuple[str, ...] = attrs.field(
+        default=_preemption.DEFAULT_SIGNALS, converter=_preemption.signal_names
+    )
+    grace_s: float = attrs.field(default=_preemption.DEFAULT_GRACE_S, converter=_preemption.check_grace)
+    slurm_requeue: bool | None = attrs.field(default=None, converter=_requeue_mode)
+
+
+class Preemption:
+    """One Trainer's preemption: catching the signals while ``fit`` trains, the ranks' agreement at each step
+    boundary, and the end of the run once they agreed."""
+
+    def __init__(self, engine: Engine, options: PreemptionOptions) -> None:
+        self.engine = engine
+        self.options = options
+        #: The first signal this process caught (its number) and when (wall clock).
+        self._caught: tuple[int, float] | None = None
+        self._previous: dict[int, Any] = {}
+        #: Once the ranks agreed: which signal, when the first rank got it, and the step they stopped at.
+        self.stopping: dict[str, Any] | None = None
+        #: The preemption record of the checkpoint ``fit`` resumed from, if it was a preemption's.
+        self.resumed: dict[str, Any] | None = None
+        self._group: Any = None  # the agreement's gloo group, on an accelerator
+
+    def job_fields(self) -> dict[str, Any]:
+        """What the launcher needs to know (see :class:`~stratagem.launchers.LaunchJob`)."""
+        return {"preemption_signals": self.options.signals, "preemption_grace_s": self.options.grace_s}
+
+    # catching ---------------------------------------------------------------------------------------------
+    def arm(self) -> None:
+        self._caught, self.stopping = None, None
+        if not self.options.signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            if self.engine.is_global_zero:
+                print(
+                    "stratagem: fit() runs outside the main thread, where signals cannot be caught: a "
+                    "preemption ends this run without a checkpoint of its step.",
+                    file=sys.stderr,
+                )
+            return
+        for name in self.options.signals:
+            number = getattr(signal, name)
+            # DataLoader worker processes forked from here inherit the handler: they no longer die of the
+            # signal (their parent would then fail on their death); they end with their parent.
+            self._previous[number] = signal.signal(number, self._catch)
+
+    def disarm(self) -> None:
+        previous, self._previous = self._previous, {}
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+
+    def _catch(self, number: int, frame: Any) -> None:
+        if self._caught is None:
+            self._caught = (number, time.time())
+
+    # agreeing ---------------------------------------------------------------------------------------------
+    def agreed(self) -> bool:
+        """Whether any rank caught a preemption signal: a collective, called by every rank at the same step."""
+        if not self._previous:
+            return False
+        caught = self._caught
+        if self.engine.world_size > 1:
+            # max of (caught, -time, signal): any rank, the earliest time, one signal; one collective.
+            local = [1.0, -caught[1], float(caught[0])] if caught else [0.0, float("-inf"), 0.0]
+            reduced = self._all_reduce_max(local)
+            caught = (int(reduced[2]), -reduced[1]) if reduced[0] > 0 else None
+        if caught is None:
+            return False
+        self.stopping = {"signal": signal.Signals(caught[0]).name, "received": caught[1]}
+        return True
+
+    def _all_reduce_max(self, values: list[float]) -> list[float]:
+        if self.engine.device.type == "cpu":
+            flag = torch.tensor(values, dtype=torch.float64)
+            return self.engine.all_reduce(flag, "max").tolist()
+        # On an accelerator, reading the result back would wait for the step's queued kernels, every step:
+        # agree on the CPU, through a gloo group of the preemption's own.
+        import torch.distributed as dist
+
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        flag = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return flag.tolist()
+
+    def record(self, step: int) -> dict[str, Any] | None:
+        """What the checkpoint of the stopping step keeps of the preemption (``None`` for another checkpoint)."""
+        if self.stopping is None:
+            return None
+        return {"signal": self.stopping["signal"], "step": step, "received": self.stopping["received"]}
+
+    # stopping ---------------------------------------------------------------------------------------------
+    def exit_if_stopped(self, trainer: Any) -> None:
+        """Once the ranks agreed and the step's checkpoint is written (and waited for): close the loggers, say
+        what happened, requeue a SLURM job, and raise :class:`Preempted` on every rank."""
+        if self.stopping is None:
+            return
+        step = trainer.position.step
+        name = self.stopping["signal"]
+        path = str(_store.join(trainer.checkpoint_dir, checkpoint_name(step, trainer.checkpoint_format)))
+        grace = self.options.grace_s
+        took = time.time() - self.stopping["received"]
+        message = (
+            f"stratagem: preempted by {name} at step {step}: saved {path} {took:.1f} s after the signal (grace "
+            f"period {grace:g} s). Exit code {PREEMPTED_EXIT_CODE}: run it again (ckpt_path='last') to continue."
+        )
+        preempted = Preempted(message, signal=name, step=step, checkpoint=path)
+        trainer._on_exception(preempted)  # loggers close their runs, on every rank
+        _preemption.write_note({**self.stopping, "step": step, "checkpoint": path, "rank": self.engine.rank})
+        trainer.print(message)
+        if took > grace:
+            trainer.print(
+                f"stratagem: that is more than the grace period of {grace:g} s: a scheduler would have killed the "
+                "run before its checkpoint was complete. Ask for a longer one (SLURM: --signal=USR1@SECONDS; "
+                "Kubernetes: terminationGracePeriodSeconds), or make steps and checkpoints shorter."
+            )
+        if self.engine.is_global_zero:
+            # Rank 0 has the checkpoint published (every rank's part written) and its loggers closed.
+            said = requeue_slurm_job(self.options.slurm_requeue)
+            if said:
+                trainer.print(said)
+        # Nobody exits before everyone is done here: a launcher stops the others once one has exited.
+        self.engine.barrier("preempted")
+        raise preempted
+
+
+def requeue_slurm_job(mode: bool | None) -> str | None:
+    """Requeue the SLURM job this process runs in, as ``Trainer(slurm_requeue=mode)`` says; what to print.
+
+    ``None``: when the job may be requeued (``Requeue=1``: ``sbatch --requeue``, or the cluster's default) and is
+    still running: the signal came ahead of the end (``--signal=USR1@90``, ``scancel --signal``). A job that SLURM
+    is ending already (``scancel``, its time limit) is left to end: it would otherwise come back after a cancel.
+    ``True``: always (a preemption by SIGTERM too; ``scancel`` then requeues the job as well).
+    """
+    job = cluster.slurm_job()
+    if job is None or mode is False:
+        return None
+    if mode is None:
+        shown = _scontrol("show", "job", "-o", job)
+        if isinstance(shown, str):
+            return f"stratagem: SLURM job {job} not requeued: `scontrol show job` failed ({shown})."
+        fields = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
+        if fields.get("Requeue") != "1":
+            return f"stratagem: SLURM job {job} not requeued: it was submitted with --no-requeue."
+        if fields.get("JobState") != "RUNNING":
+            return (
+                f"stratagem: SLURM job {job} not requeued: SLURM is ending it already ({fields.get('JobState')}: "
+                "scancel, its time limit or a preemption). Submit with --signal=USR1@SECONDS to have it requeue "
+                "itself before the end, or pass Trainer(slurm_requeue=True)."
+            )
+    done = _scontrol("requeue", job)
+    if isinstance(done, str) or done.returncode != 0:
+        why = done if isinstance(done, str) else (done.stderr or done.stdout).strip()
+        return f"stratagem: `scontrol requeue {job}` failed: {why}. Submit the job again to continue."
+    return f"stratagem: requeued SLURM job {job}: it resumes from this checkpoint when it starts again."
+
+
+def _scontrol(*args: str) -> subprocess.CompletedProcess | str:
+    try:
+        done = subprocess.run(
+            ["scontrol", *args], capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return str(error)
+    if done.returncode != 0 and args[0] == "show":
+        return (done.stderr or done.stdout).strip()
+    return done
