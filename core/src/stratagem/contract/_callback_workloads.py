@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from stratagem.contract import _model as m
-from stratagem.trainer.module import Module
 
 STEPS = 6
 EVERY = 3
