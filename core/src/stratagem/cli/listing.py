@@ -67,6 +67,25 @@ def _disabled_rows() -> list[dict]:
     ]
 
 
+def _broken_rows() -> list[dict]:
+    from stratagem.registry._manager import get_registry
+
+    return [
+        {
+            "entry_point": b.entry_point,
+            "distribution": b.distribution,
+            "version": b.version,
+            "error": str(b.error),
+        }
+        for b in get_registry().broken
+    ]
+
+
+def _print_broken(rows: list[dict]) -> None:
+    for item in rows:
+        print(f"BROKEN  {item['entry_point']} ({item['distribution']} {item['version']}): {item['error']}")
+
+
 def _print_disabled(rows: list[dict]) -> None:
     for item in rows:
         print(
@@ -80,15 +99,7 @@ def _strategy_rows(as_json: bool) -> tuple[list[dict], list[dict], list[dict]]:
 
     registry = get_registry()
     rows = [_row("strategy", info) for info in registry]
-    broken = [
-        {
-            "entry_point": b.entry_point,
-            "distribution": b.distribution,
-            "version": b.version,
-            "error": str(b.error),
-        }
-        for b in registry.broken
-    ]
+    broken = _broken_rows()
     conflicts = [
         {"name": n, "distributions": list(c.distributions), "error": str(c)}
         for n, c in registry.conflicts.items()
@@ -118,8 +129,7 @@ def _strategies(args: argparse.Namespace) -> int:
         if row["missing"]:
             quoted = " ".join(f"'{m}'" for m in row["missing"])
             print(f"{'':<{width}}  needs {', '.join(row['missing'])}: pip install {quoted}")
-    for item in broken:
-        print(f"BROKEN  {item['entry_point']} ({item['distribution']} {item['version']}): {item['error']}")
+    _print_broken(broken)
     for item in conflicts:
         print(f"CONFLICT  {item['error']}")
     _print_disabled(disabled)
@@ -131,9 +141,9 @@ def _launchers(args: argparse.Namespace) -> int:
     from stratagem.registry._manager import get_registry
 
     rows = [_row("launcher", info) for _, info in sorted(get_registry().launchers.items())]
-    disabled = _disabled_rows()
+    broken, disabled = _broken_rows(), _disabled_rows()
     if args.json:
-        print(json.dumps({"launchers": rows, "disabled": disabled}, indent=2))
+        print(json.dumps({"launchers": rows, "broken": broken, "disabled": disabled}, indent=2))
         return 0
     width = max([len(r["name"]) for r in rows] + [4])
     for row in rows:
@@ -144,6 +154,7 @@ def _launchers(args: argparse.Namespace) -> int:
         if row["missing"]:
             quoted = " ".join(f"'{m}'" for m in row["missing"])
             print(f"{'':<{width}}  needs {', '.join(row['missing'])}: pip install {quoted}")
+    _print_broken(broken)
     _print_disabled(disabled)
     return 0
 
@@ -157,9 +168,9 @@ def _callbacks(args: argparse.Namespace) -> int:
     rows = {
         kind: [_row(kind[:-1], info) for _, info in sorted(table.items())] for kind, table in tables.items()
     }
-    disabled = _disabled_rows()
+    broken, disabled = _broken_rows(), _disabled_rows()
     if args.json:
-        print(json.dumps({**rows, "disabled": disabled}, indent=2))
+        print(json.dumps({**rows, "broken": broken, "disabled": disabled}, indent=2))
         return 0
     width = max([len(r["name"]) for kind in rows.values() for r in kind] + [4])
     for kind, entries in rows.items():
@@ -168,5 +179,6 @@ def _callbacks(args: argparse.Namespace) -> int:
             print(f"  {row['name']:<{width}}  {row['description']} ({_origin(row)})")
             if row["missing"]:
                 print(f"  {'':<{width}}  needs {', '.join(row['missing'])}: pip install {row['install']}")
+    _print_broken(broken)
     _print_disabled(disabled)
     return 0

@@ -26,7 +26,9 @@ def _add_parser(sub: argparse._SubParsersAction) -> None:
         "README, tests that run the contract suite, and a CI workflow. Install it with `pip install ./NAME`.",
     )
     p.add_argument("kind", choices=_KINDS, help="what the plugin provides")
-    p.add_argument("name", help="the registered name (lower-case letters, digits, underscores), e.g. acme_ddp")
+    p.add_argument(
+        "name", help="the registered name (lower-case letters, digits, underscores), e.g. acme_ddp"
+    )
     p.add_argument(
         "--based-on",
         metavar="NAME",
@@ -54,7 +56,9 @@ def _new(args: argparse.Namespace) -> int:
         path = target / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    listing = "strategies" if args.kind == "strategy" else "launchers" if args.kind == "launcher" else "callbacks"
+    listing = (
+        "strategies" if args.kind == "strategy" else "launchers" if args.kind == "launcher" else "callbacks"
+    )
     flag = "" if args.kind == "strategy" else f"--{args.kind} "
     print(f"Wrote {target}/ ({len(files)} files): the {args.kind} {args.name}.")
     print("Next:")

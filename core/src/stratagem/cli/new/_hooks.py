@@ -86,7 +86,9 @@ def stub(name: str, base: type | None, base_label: str, custom: Callable[[str], 
     return head + doc + f"        return super().{name}({call})\n"
 
 
-def stubs(names: Iterable[str], base: type | None, base_label: str, custom: Callable[[str], str | None]) -> str:
+def stubs(
+    names: Iterable[str], base: type | None, base_label: str, custom: Callable[[str], str | None]
+) -> str:
     return "\n".join(stub(name, base, base_label, custom) for name in spec_order(names))
 
 

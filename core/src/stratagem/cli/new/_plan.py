@@ -12,8 +12,6 @@ from typing import Any
 
 import attrs
 
-from stratagem.cli.new import _hooks
-
 KINDS = ("strategy", "launcher", "callback", "logger")
 _SUFFIX = {"strategy": "Strategy", "launcher": "Launcher", "callback": "Callback", "logger": "Logger"}
 _REGISTER = {
@@ -100,7 +98,9 @@ def resolve_base(kind: str, based_on: str | None) -> Base | None:
     else:
         module, class_name = factory.__module__, factory.__qualname__
     if "." in class_name:
-        raise ConfigurationError(f"--based-on {based_on}: its class {factory!r} is nested; import it by hand.")
+        raise ConfigurationError(
+            f"--based-on {based_on}: its class {factory!r} is nested; import it by hand."
+        )
     from stratagem.registry._registry import _load_factory
 
     cls = _load_factory(info.name, info.factory, info.plugin)
