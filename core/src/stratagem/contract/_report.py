@@ -176,7 +176,21 @@ def describe(kind: str, name: str) -> dict[str, Any]:
     else:
         registered, info = name, registry.get_callback(name, kind)
     declarations = certificate.capability_declarations(kind, info)
-    world_sizes = _world_sizes(kind, name, declarations)
+    if kind == "strategy":
+        from stratagem.contract._runner import subject_for
+
+        subject = subject_for(name)
+        # What the strategy declares to the suite itself, beside its capabilities.
+        declarations["contract_tolerance"] = subject.tolerance
+        world_sizes = [subject.world_size] if subject.world_size else []
+    elif kind == "launcher":
+        from stratagem.contract._launcher_runner import WORLD
+
+        world_sizes = [WORLD]
+    else:
+        from stratagem.contract._callback_runner import WORLD as CALLBACK_WORLD
+
+        world_sizes = [CALLBACK_WORLD]
     return {
         "kind": kind,
         "name": name,
@@ -188,20 +202,3 @@ def describe(kind: str, name: str) -> dict[str, Any]:
         "world_sizes": world_sizes,
         "device": "cpu",
     }
-
-
-def _world_sizes(kind: str, name: str, declarations: dict[str, Any]) -> list[int]:
-    if kind == "strategy":
-        from stratagem.contract._runner import subject_for
-
-        subject = subject_for(name)
-        # What the strategy declares to the suite itself, beside its capabilities.
-        declarations["contract_tolerance"] = subject.tolerance
-        return [subject.world_size] if subject.world_size else []
-    if kind == "launcher":
-        from stratagem.contract._launcher_runner import WORLD
-
-        return [WORLD]
-    from stratagem.contract._callback_runner import WORLD as CALLBACK_WORLD
-
-    return [CALLBACK_WORLD]
