@@ -108,6 +108,8 @@ def test_bad_requests_are_refused_with_what_to_do(tmp_path: Path) -> None:
         ConfigurationError, match=r"installed already \(from stratagem-ddp\).*Pick another name"
     ):
         generate("strategy", "ddp")
+    with pytest.raises(ConfigurationError, match="declares the entry point 'localsgd' already"):
+        generate("callback", "localsgd")
     with pytest.raises(UnknownStrategyError, match="Did you mean 'ddp'"):
         generate("strategy", "acme", "ddq")
     with pytest.raises(ConfigurationError, match="--based-on applies to strategies and launchers"):

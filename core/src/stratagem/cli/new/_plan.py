@@ -73,6 +73,14 @@ def check_name(kind: str, name: str) -> None:
             f"stratagem new {kind} {name!r}: a {kind} of that name is installed already (from "
             f"{table[name].plugin.distribution}); the two would clash. Pick another name."
         )
+    from stratagem.registry._manager import _entry_points
+
+    taken = {ep.name: ep.dist.name if ep.dist else "?" for ep in _entry_points()}
+    if name in taken:
+        raise ConfigurationError(
+            f"stratagem new {kind} {name!r}: {taken[name]} declares the entry point {name!r} already, and "
+            "STRATAGEM_PLUGINS / STRATAGEM_DISABLE_PLUGINS could not tell the two apart. Pick another name."
+        )
 
 
 def resolve_base(kind: str, based_on: str | None) -> Base | None:
