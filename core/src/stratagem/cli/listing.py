@@ -27,9 +27,15 @@ _shipped: dict[str, tuple[object, str]] = {}
 
 def certificate_status(kind: str, info: object) -> tuple[str, str]:
     """``("certified" | "certified for X.Y" | "", why not)`` from the certificate the entry's plugin ships."""
-    from stratagem.contract import _certificate as certificate
+    import os
+
+    from stratagem.contract import CERTIFICATE_FILE
 
     plugin = info.plugin  # type: ignore[attr-defined]
+    if not plugin.location or not os.path.isfile(os.path.join(plugin.location, CERTIFICATE_FILE)):
+        return "", ""
+    from stratagem.contract import _certificate as certificate
+
     if plugin.location not in _shipped:
         _shipped[plugin.location] = certificate.shipped_certificate(plugin.location)
     document, problem = _shipped[plugin.location]

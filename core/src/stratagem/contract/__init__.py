@@ -10,3 +10,7 @@ named as the reason. The private modules are the runner (``_runner``), what runs
 (``test_launcher``), callbacks and loggers theirs (``test_callback``). ``--stratagem-report FILE`` writes the
 run's certificate (``_report``; the schema ``certificate.schema.json``; the verdict ``_certificate``).
 """
+
+#: The file name under which a plugin ships its certificate, beside its entry-point module. Here rather than in
+#: ``_certificate`` so that a listing can look for it without importing anything.
+CERTIFICATE_FILE = "stratagem-certificate.json"

@@ -16,11 +16,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from stratagem.contract import CERTIFICATE_FILE
+
 #: The contract suite's version: MAJOR.MINOR, raised whenever a check is added or changed, so that a
 #: certificate tells which checks it vouches for. ``--verify`` refuses a certificate from an older suite.
 SUITE_VERSION = "1.0"
 #: The file name under which a plugin ships its certificate, beside its entry-point module.
-SHIPPED_NAME = "stratagem-certificate.json"
+SHIPPED_NAME = CERTIFICATE_FILE
 SCHEMA_PATH = Path(__file__).with_name("certificate.schema.json")
 KINDS = ("strategy", "launcher", "callback", "logger")
 
