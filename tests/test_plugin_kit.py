@@ -160,9 +160,19 @@ def test_a_strategy_that_does_not_average_gradients_fails_training_and_its_certi
     jsonschema.validate(document, certificate.schema())
     [subject] = document["subjects"]
     assert subject["verdict"] == document["verdict"] == "failed"
-    failed = {c["check"] for c in subject["checks"] if c["outcome"] == "failed"}
-    # Exactly the training checks: collectives, checkpoints, resume and teardown still hold.
-    assert failed == TRAINING_CHECKS, failed
+    outcomes = {c["check"]: c["outcome"] for c in subject["checks"]}
+    failed = {check for check, outcome in outcomes.items() if outcome == "failed"}
+    # Every training check fails. So may exact resume: a full checkpoint holds one replica, and the ranks'
+    # replicas have drifted apart. What does not depend on the replicas agreeing still holds.
+    assert TRAINING_CHECKS <= failed <= TRAINING_CHECKS | {"test_resume::test_exact_resume[full]"}, failed
+    for check in (
+        "test_collectives::test_all_reduce",
+        "test_checkpoint::test_round_trip[full]",
+        "test_registration::test_hook_implementations_match_the_specs",
+        "test_teardown::test_no_process_group_left",
+        "test_hooks::test_every_hook_is_exercised",
+    ):
+        assert outcomes.get(check) == "passed", (check, sorted(outcomes))
     losses = next(
         c for c in subject["checks"] if c["check"] == "test_training::test_losses_match_the_reference"
     )
