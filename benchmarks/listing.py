@@ -94,7 +94,7 @@ def main() -> None:
     ).stdout.strip()
 
     listing = [python(), "-m", "stratagem", "strategies"]
-    medians = {}
+    runs: dict[str, list[float]] = {}
     certified_note = ""
     with tempfile.TemporaryDirectory() as work:
         if not args.no_certified:
@@ -112,19 +112,28 @@ def main() -> None:
                 },
                 args.repeats,
             )
-            medians.update({label: median(times) for label, times in pair.items()})
+            runs.update(pair)
     others = {"python -c 'import torch'": [python(), "-c", "import torch"]}
-    if "stratagem strategies" not in medians:
+    if "stratagem strategies" not in runs:
         others = {"stratagem strategies": listing, **others}
     if importlib.util.find_spec("lightning") is not None:
         others["lightning: list strategies"] = [python(), "-c", LIGHTNING]
-    medians.update({label: median(time_command(argv, args.repeats)) for label, argv in others.items()})
+    runs.update({label: time_command(argv, args.repeats) for label, argv in others.items()})
+    medians = {label: median(times) for label, times in runs.items()}
     base = medians["stratagem strategies"]
-    rows = [(label, f"{m * 1000:.0f} ms", f"{m / base:.2f}x") for label, m in medians.items()]
+    rows = [
+        (
+            label,
+            f"{m * 1000:.0f} ms",
+            f"{min(runs[label]) * 1000:.0f}-{max(runs[label]) * 1000:.0f} ms",
+            f"{m / base:.2f}x",
+        )
+        for label, m in medians.items()
+    ]
     print(f"{len(names)} strategies listed ({', '.join(names)}); torch imported by the listing: {probe}")
     if certified_note:
         print(certified_note)
-    print(table(rows, ["command", "median", "vs stratagem strategies"]))
+    print(table(rows, ["command", "median", "min-max", "vs stratagem strategies"]))
     if "lightning: list strategies" not in medians:
         print("(lightning not installed: pip install lightning==2.6.6 to add its row)")
     worst = max(m for label, m in medians.items() if "strategies" in label and "lightning" not in label)
