@@ -8,6 +8,7 @@ strategy. A skipped check must name the capability that excludes it; anything el
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from stratagem import get_registry
+from stratagem.contract import _certificate as certificate
 from stratagem.contract._checks import skipped_declaration
 
 PACKAGES = ("stratagem-ddp", "stratagem-fsdp", "stratagem-deepspeed", "stratagem-tp")
@@ -37,9 +39,18 @@ VARIANTS = ["fsdp_tp[tensor_parallel_size=2]"]
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", NAMES + VARIANTS)
 def test_certified(name: str, tmp_path: Path) -> None:
-    junit = tmp_path / "report.xml"
+    junit, report = tmp_path / "report.xml", tmp_path / "certificate.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "stratagem", "contract", name, f"--pytest-args=--junitxml={junit}"],
+        [
+            sys.executable,
+            "-m",
+            "stratagem",
+            "contract",
+            name,
+            "--report",
+            str(report),
+            f"--pytest-args=--junitxml={junit}",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -65,6 +76,11 @@ def test_certified(name: str, tmp_path: Path) -> None:
             capability, value = found
             # The declaration it names really lacks that value.
             assert capability in declared and ast.literal_eval(value) not in declared[capability], reason
+    # The certificate of the same run: its verdict, recomputed from its outcomes and declarations, passes.
+    document = json.loads(report.read_text())
+    assert document["verdict"] == "passed" and certificate.problems(document) == [], certificate.problems(
+        document
+    )
 
 
 LAUNCHER_PACKAGES = ("stratagem", "stratagem-ray")

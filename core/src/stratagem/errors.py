@@ -85,7 +85,8 @@ class PluginLoadError(StratagemError):
         super().__init__(
             f'Error importing plugin "{entry_point}" from {distribution} {version}: '
             f"{type(error).__name__}: {error}. Its strategies are unavailable; the other plugins still load. "
-            f"Reinstall or upgrade {distribution}, or exclude it with STRATAGEM_PLUGINS."
+            f"Reinstall or upgrade {distribution}, or keep it from loading with "
+            f"STRATAGEM_DISABLE_PLUGINS={entry_point.split(' = ')[0]}."
         )
 
 
@@ -96,8 +97,8 @@ class StrategyConflictError(StratagemError):
         self.name = name
         self.distributions = (first, second)
         super().__init__(
-            f"Strategy {name!r} is registered by both {first} and {second}. Uninstall one of them, or "
-            f"restrict loading with STRATAGEM_PLUGINS."
+            f"Strategy {name!r} is registered by both {first} and {second}. Uninstall one of them, or keep one "
+            f"from loading with STRATAGEM_DISABLE_PLUGINS (its entry-point name; `stratagem doctor` shows it)."
         )
 
 

@@ -44,6 +44,8 @@ COMMAND_MODULES = (
     "stratagem.cli.checkpoint",
     "stratagem.cli.compare._command",
     "stratagem.cli.contract",
+    "stratagem.cli.new",
+    "stratagem.cli.doctor",
 )
 #: Other modules add their subcommands here (kept in their own modules so this one stays light).
 _PARSER_EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []

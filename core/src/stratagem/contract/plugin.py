@@ -1,9 +1,11 @@
-"""The pytest plugin registered under ``pytest11``. Inert unless ``--stratagem-strategy`` or
-``--stratagem-launcher`` is given.
+"""The pytest plugin registered under ``pytest11``. Inert unless ``--stratagem-strategy``,
+``--stratagem-launcher``, ``--stratagem-callback`` or ``--stratagem-logger`` is given.
 
 It imports nothing heavy: a project's own pytest run pays only for this module. The contract checks live in
 ``stratagem.contract`` and run with ``pytest --pyargs stratagem.contract --stratagem-strategy NAME`` (a
-strategy) or ``--stratagem-launcher NAME`` (a launcher: ``stratagem.contract.test_launcher``).
+strategy), ``--stratagem-launcher NAME`` (a launcher: ``stratagem.contract.test_launcher``), or
+``--stratagem-callback NAME`` / ``--stratagem-logger NAME`` (``stratagem.contract.test_callback``).
+``--stratagem-report FILE`` writes the run's certificate (:mod:`stratagem.contract._report`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ import pytest
 
 OPTION = "--stratagem-strategy"
 LAUNCHER_OPTION = "--stratagem-launcher"
+CALLBACK_OPTION = "--stratagem-callback"
+LOGGER_OPTION = "--stratagem-logger"
+REPORT_OPTION = "--stratagem-report"
 _NAMES = pytest.StashKey[list]()
 _LAUNCHERS = pytest.StashKey[list]()
+#: ``{"callback": [...], "logger": [...]}``: the callbacks and loggers asked for.
+_EVENT_PLUGINS = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -35,6 +42,20 @@ def pytest_addoption(parser: Any) -> None:
         metavar="NAME",
         help="certify this launcher with `pytest --pyargs stratagem.contract` (repeatable; 'all' for every one)",
     )
+    for option, kind in ((CALLBACK_OPTION, "callback"), (LOGGER_OPTION, "logger")):
+        group.addoption(
+            option,
+            action="append",
+            default=[],
+            metavar="NAME",
+            help=f"certify this registered {kind} (repeatable; 'all' for every one)",
+        )
+    group.addoption(
+        REPORT_OPTION,
+        default=None,
+        metavar="FILE",
+        help="write the run's certificate (JSON: versions, declarations, each check's outcome, the verdict)",
+    )
 
 
 def pytest_configure(config: Any) -> None:
@@ -44,6 +65,15 @@ def pytest_configure(config: Any) -> None:
     # Checked now, so that a wrong name is one clear usage error rather than an error per test module.
     config.stash[_NAMES] = selected_strategies(config)
     config.stash[_LAUNCHERS] = selected_launchers(config)
+    config.stash[_EVENT_PLUGINS] = {
+        "callback": _selected(config, CALLBACK_OPTION, "callback"),
+        "logger": _selected(config, LOGGER_OPTION, "logger"),
+    }
+    report = config.getoption(REPORT_OPTION, None)
+    if report:
+        from stratagem.contract._report import ReportWriter
+
+        config.pluginmanager.register(ReportWriter(report), "stratagem-contract-report")
 
 
 def selected_strategies(config: Any) -> list[str]:
@@ -67,11 +97,13 @@ def _selected(config: Any, option: str, kind: str) -> list[str]:
     from stratagem.registry._manager import get_registry
 
     registry = get_registry()
-    every, look_up = (
-        (registry.names(), registry.get)
-        if kind == "strategy"
-        else (sorted(registry.launchers), registry.get_launcher)
-    )
+    if kind == "strategy":
+        every, look_up = registry.names(), registry.get
+    elif kind == "launcher":
+        every, look_up = sorted(registry.launchers), registry.get_launcher
+    else:
+        table = registry.callbacks if kind == "callback" else registry.loggers
+        every, look_up = sorted(table), lambda name: registry.get_callback(name, kind)
     names: list[str] = []
     for name in requested:
         for resolved in every if name == "all" else [name]:
@@ -95,19 +127,28 @@ def pytest_generate_tests(metafunc: Any) -> None:
     if "stratagem_launcher" in metafunc.fixturenames:
         names = metafunc.config.stash[_LAUNCHERS]
         metafunc.parametrize("stratagem_launcher", names, ids=names, scope="session")
+    if "stratagem_event_plugin" in metafunc.fixturenames:
+        # Callbacks and loggers share one section: "callback:NAME" or "logger:NAME".
+        found = [
+            f"{kind}:{n}" for kind, names in metafunc.config.stash[_EVENT_PLUGINS].items() for n in names
+        ]
+        ids = [value.replace(":", "-") for value in found]
+        metafunc.parametrize("stratagem_event_plugin", found, ids=ids, scope="session")
 
 
 def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
     strategies, launchers = config.stash[_NAMES], config.stash[_LAUNCHERS]
     wanted = {"stratagem_strategy": strategies, "stratagem_launcher": launchers}
+    wanted["stratagem_event_plugin"] = [n for names in config.stash[_EVENT_PLUGINS].values() for n in names]
     if not any(any(k in getattr(item, "fixturenames", ()) for k in wanted) for item in items):
         return  # not the contract suite: a project's own tests
-    if not strategies and not launchers:
+    if not any(wanted.values()):
         raise pytest.UsageError(
-            f"The stratagem contract suite certifies a strategy or a launcher: pass {OPTION} NAME or "
-            f"{LAUNCHER_OPTION} NAME (repeatable, or 'all'), e.g. `pytest --pyargs stratagem.contract "
-            "--stratagem-strategy single_device`, or run `stratagem contract NAME` / `stratagem contract "
-            "--launcher NAME`. `stratagem strategies` and `stratagem launchers` list the installed names."
+            f"The stratagem contract suite certifies a strategy, a launcher, a callback or a logger: pass "
+            f"{OPTION} NAME, {LAUNCHER_OPTION} NAME, {CALLBACK_OPTION} NAME or {LOGGER_OPTION} NAME "
+            "(repeatable, or 'all'), e.g. `pytest --pyargs stratagem.contract --stratagem-strategy "
+            "single_device`, or run `stratagem contract NAME` / `stratagem contract --launcher NAME`. "
+            "`stratagem strategies`, `stratagem launchers` and `stratagem callbacks` list the installed names."
         )
     # Certifying only launchers (or only strategies): the other section's checks are not collected at all,
     # rather than reported as skipped.
@@ -150,3 +191,12 @@ def launcher_run(stratagem_launcher: str, tmp_path_factory: Any) -> Any:
     from stratagem.contract._launcher_runner import run
 
     return run(stratagem_launcher, tmp_path_factory.mktemp(f"launcher-{stratagem_launcher}"))
+
+
+@pytest.fixture(scope="session")
+def event_plugin_run(stratagem_event_plugin: str, tmp_path_factory: Any) -> Any:
+    """The callback section's launch for the callback or logger under test (``"callback:NAME"``), made once."""
+    from stratagem.contract._callback_runner import run
+
+    kind, _, name = stratagem_event_plugin.partition(":")
+    return run(kind, name, tmp_path_factory.mktemp(f"{kind}-{name}"))

@@ -15,6 +15,7 @@ import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ContextManager
 
+import attrs
 import pluggy
 
 from stratagem import hookspecs
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "stratagem"
 PLUGINS_ENV = "STRATAGEM_PLUGINS"
+#: Entry-point names never to load (``*``: every plugin but the built-ins), to bypass a broken plugin without
+#: uninstalling it; the listings say which were disabled.
+DISABLE_ENV = "STRATAGEM_DISABLE_PLUGINS"
 BUILTIN_PLUGIN = "stratagem.strategies._builtin"
 BUILTIN_LAUNCHERS = "stratagem.launchers._builtin"
 BUILTIN_CALLBACKS = "stratagem.callbacks._builtin"
@@ -67,6 +71,23 @@ def _allowed(environ: Mapping[str, str]) -> set[str] | None:
     return {part.strip() for part in environ[PLUGINS_ENV].split(",") if part.strip()}
 
 
+def _disabled(environ: Mapping[str, str]) -> set[str]:
+    """The entry-point names ``STRATAGEM_DISABLE_PLUGINS`` names (``{"*"}``: all)."""
+    return {part.strip() for part in environ.get(DISABLE_ENV, "").split(",") if part.strip()}
+
+
+def package_dir(module: types.ModuleType) -> str:
+    """The folder of the package that holds ``module`` (itself, for a package): where a plugin ships its
+    certificate. Empty for a top-level module outside any package."""
+    import sys
+
+    spec = getattr(module, "__spec__", None)
+    parent = spec.parent if spec is not None else ""
+    package = sys.modules.get(parent) if parent else None
+    locations = getattr(getattr(package, "__spec__", None), "submodule_search_locations", None) or []
+    return next(iter(locations), "")
+
+
 def _entry_points() -> list[Any]:
     import importlib_metadata
 
@@ -98,7 +119,7 @@ def discover(environ: Mapping[str, str] | None = None) -> tuple[Registry, list[t
     candidates: list[tuple[PluginInfo, Any]] = [
         (builtin, name) for name in (BUILTIN_PLUGIN, BUILTIN_LAUNCHERS, BUILTIN_CALLBACKS, BUILTIN_LOGGERS)
     ]
-    allowed = _allowed(env)
+    allowed, disabled = _allowed(env), _disabled(env)
     for ep in _entry_points():
         if allowed is not None and ep.name not in allowed:
             continue
@@ -108,11 +129,16 @@ def discover(environ: Mapping[str, str] | None = None) -> tuple[Registry, list[t
             distribution=dist.name if dist else "(unknown)",
             version=dist.version if dist else "?",
         )
+        if ep.name in disabled or "*" in disabled:
+            registry.disabled.append(info)  # its module is never imported
+            continue
         candidates.append((info, ep))
     for info, source in candidates:
         label = source if isinstance(source, str) else f"{source.name} = {source.value}"
         try:
             module = importlib.import_module(source) if isinstance(source, str) else source.load()
+            if not isinstance(source, str):
+                info = attrs.evolve(info, location=package_dir(module))
             pm.register(module, name=f"{info.name}:{getattr(module, '__name__', label)}")
             for impl in pm.hook.register_strategies.get_hookimpls():
                 if impl.plugin is module:
@@ -139,7 +165,7 @@ def _own_version() -> str:
     return __version__
 
 
-_cache: dict[str | None, tuple[Registry, list[types.ModuleType]]] = {}
+_cache: dict[tuple[str | None, str | None], tuple[Registry, list[types.ModuleType]]] = {}
 _cache_lock = threading.Lock()
 
 
@@ -149,7 +175,7 @@ def get_registry(refresh: bool = False) -> Registry:
 
 
 def _cached(refresh: bool = False) -> tuple[Registry, list[types.ModuleType]]:
-    key = os.environ.get(PLUGINS_ENV)
+    key = (os.environ.get(PLUGINS_ENV), os.environ.get(DISABLE_ENV))
     with _cache_lock:
         if refresh or key not in _cache:
             _cache[key] = discover()

@@ -34,6 +34,8 @@ class PluginInfo:
     name: str
     distribution: str
     version: str
+    #: The folder of the package holding the entry-point module (where a shipped certificate lies), or "".
+    location: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -201,6 +203,8 @@ class Registry:
     launchers: dict[str, LauncherInfo] = attrs.field(factory=dict)
     callbacks: dict[str, CallbackInfo] = attrs.field(factory=dict)
     loggers: dict[str, CallbackInfo] = attrs.field(factory=dict)
+    #: Plugins named by ``STRATAGEM_DISABLE_PLUGINS``: found, never imported.
+    disabled: list[PluginInfo] = attrs.field(factory=list)
 
     def callback_registrar(self, plugin: PluginInfo, kind: str) -> Callable[..., None]:
         """The ``register`` callback handed to one plugin's ``register_callbacks`` (or ``register_loggers``)."""
