@@ -6,4 +6,7 @@ STRATEGY_ENV = "STRATAGEM_STRATEGY"
 #: Names the launcher for ``launcher="auto"`` (``stratagem run --launcher L`` sets it too).
 LAUNCHER_ENV = "STRATAGEM_LAUNCHER"
 DEFAULT_LAUNCHER = "elastic"
+#: ``stratagem run --compile`` sets this: ``compile=`` where a script passes none (``1``, a backend name, or
+#: ``key=value,...`` of the compile options).
+COMPILE_ENV = "STRATAGEM_COMPILE"
 DEFAULT_TIMEOUT_S = 1800.0
