@@ -38,6 +38,15 @@ def inner_module(module: nn.Module) -> nn.Module:
     return module
 
 
+def user_class(module: nn.Module) -> type:
+    """The class a user knows a module by: through activation-checkpoint wrappers, and past the classes FSDP2
+    makes when it shards a module in place (``FSDPBlock``, a subclass of ``Block``)."""
+    for cls in type(inner_module(module)).__mro__:
+        if not cls.__module__.startswith("torch.distributed."):
+            return cls
+    return type(module)
+
+
 def _can_be_block(module: nn.Module) -> bool:
     inner = inner_module(module)
     has_params = any(True for _ in inner.parameters())
@@ -54,9 +63,9 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     def visit(module: nn.Module, prefix: str) -> None:
         children = list(module.named_children())
-        counts = Counter(type(inner_module(c)) for _, c in children) if isinstance(module, CONTAINERS) else {}
+        counts = Counter(user_class(c) for _, c in children) if isinstance(module, CONTAINERS) else {}
         for name, child in children:
-            if counts.get(type(inner_module(child)), 0) >= 2 and _can_be_block(child):
+            if counts.get(user_class(child), 0) >= 2 and _can_be_block(child):
                 found.append((prefix + name, child))
             else:
                 visit(child, prefix + name + ".")
@@ -96,7 +105,7 @@ def find_regions(model: nn.Module, regional: Any) -> list[tuple[str, nn.Module]]
     if isinstance(regional, frozenset):
         found = of_classes(model, regional)
         if not found:
-            present = sorted({type(inner_module(m)).__name__ for m in model.modules()})
+            present = sorted({user_class(m).__name__ for m in model.modules()})
             wanted = sorted(s if isinstance(s, str) else s.__name__ for s in regional)
             raise ConfigurationError(
                 f"compile regional={wanted}: no module of {type(model).__name__} has such a class. Classes in "
@@ -224,7 +233,7 @@ def compile_in_place(module: nn.Module, name: str, options: CompileOptions) -> N
             "not one of its methods; compile it yourself, or exclude it with regional=."
         )
     forward = own.__func__ if own is not None else type(module).forward
-    label = f"{name or 'the model'} ({type(inner_module(module)).__name__})"
+    label = f"{name or 'the model'} ({user_class(module).__name__})"
     region = RegionForward(label, _compiled_forward(forward, options), options)
     module.forward = types.MethodType(region, module)  # type: ignore[method-assign]
 

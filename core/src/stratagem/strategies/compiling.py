@@ -37,6 +37,8 @@ __all__ = [
 OPTION_NAMES = ("backend", "mode", "fullgraph", "dynamic", "regional")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off", "none"}
+#: Backends torch tags "debug" that are worth naming: Dynamo alone, and Dynamo with AOTAutograd (what tests use).
+_OFFERED_DEBUG = ("eager", "aot_eager")
 
 
 def _closest(value: str, names: Iterable[str]) -> str:
@@ -51,9 +53,9 @@ def _check_backend(instance: Any, attribute: attrs.Attribute, value: Any) -> Non
         raise ConfigurationError(f"compile backend={value!r}: give a backend name or a backend function.")
     import torch._dynamo
 
-    # Debug and experimental backends are accepted but not offered.
+    # Debug and experimental backends are accepted; of them only the two that testing uses are offered.
     if value not in torch._dynamo.list_backends(exclude_tags=()):
-        offered = torch._dynamo.list_backends()
+        offered = sorted({*torch._dynamo.list_backends(), *_OFFERED_DEBUG})
         raise ConfigurationError(
             f"compile backend={value!r} is not a torch.compile backend.{_closest(value, offered)} "
             f"Backends: {', '.join(offered)}."
