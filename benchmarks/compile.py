@@ -4,9 +4,12 @@ of a resumed run against a cold one. CPU, inductor, torch 2.13.
 1. **step**: the demo's language model (``stratagem demo``'s ``CharLM``, 2 blocks of width 64, batch 16 x 64
    characters per rank) under ``ddp`` and ``fsdp`` on 2 gloo processes. Each launch sets up the model twice
    through one Engine, plain and with ``compile=True`` (inductor, each block once), and alternates their steps
-   (each going first every other step) after warm-up. Prints the median step of each, the median of paired
-   ratios compiled / eager with its interquartile range (goal: at most 0.85), and where the time goes:
-   medians of forward, backward (with the gradient all-reduce) and optimizer step.
+   (each going first every other step) after warm-up, with the same model set up by hand with torch alone
+   (``DistributedDataParallel`` or ``fully_shard``; compiled: ``torch.compile`` of each block's forward before
+   wrapping), eager and compiled, in the same rotation. Prints the median step of each, the median of paired
+   ratios compiled / eager with its interquartile range (goal: at most 0.85), each stratagem loop against
+   its torch counterpart, and where the time goes: medians of forward, backward (with the gradient
+   all-reduce) and optimizer step.
 2. **depth**: cold compile of ``CharLM`` with 4 and with 32 blocks (regional: each block once), each in a new
    process with an empty inductor cache, in alternating order. Compile time is the first training step minus
    the median of the next five. Prints medians and the median of paired ratios 32 / 4 (goal: at most 1.3).
@@ -75,12 +78,33 @@ def lm(layers: int, seed: int = 0) -> CharLM:
 
 
 class Loop:
-    def __init__(self, engine: sg.Engine, compile: Any) -> None:
+    """One model and optimizer: set up by stratagem (``raw=False``) or by hand with torch alone (``raw=True``:
+    ``DistributedDataParallel``, or ``fully_shard`` per block then the root; compiled with ``torch.compile``
+    per block before the data-parallel wrapping, as the framework does)."""
+
+    def __init__(self, engine: sg.Engine, compile: Any, raw: bool = False) -> None:
         model = lm(2)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        self.engine = engine
-        self.model, self.optimizer = engine.setup(model, optimizer, compile=compile)
+        self.engine, self.raw = engine, raw
+        if raw:
+            self.model = self._by_hand(model, engine.strategy_name, bool(compile))
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            self.model, self.optimizer = engine.setup(model, optimizer, compile=compile)
         self.phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+
+    @staticmethod
+    def _by_hand(model: torch.nn.Module, strategy: str, compile: bool) -> torch.nn.Module:
+        if compile:
+            for block in model.blocks:  # each block's forward, so that FSDP2's hooks stay outside
+                block.forward = torch.compile(block.forward, backend="inductor")
+        if strategy == "ddp":
+            return torch.nn.parallel.DistributedDataParallel(model)
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         import torch.distributed as dist
@@ -89,7 +113,10 @@ class Loop:
         t0 = time.perf_counter()
         loss = F.cross_entropy(self.model(x), y.reshape(-1))
         t1 = time.perf_counter()
-        self.engine.backward(loss, self.model)
+        if self.raw:
+            loss.backward()
+        else:
+            self.engine.backward(loss, self.model)
         t2 = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -104,26 +131,43 @@ class Loop:
 def step_worker(engine: sg.Engine, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     batches = data(16, engine.rank, steps + 5)
-    loops = {"eager": Loop(engine, False), "compiled": Loop(engine, INDUCTOR)}
-    for x, y in batches[:5]:  # warm-up; the compiled loop compiles here
+    loops = {
+        "eager": Loop(engine, False),
+        "compiled": Loop(engine, INDUCTOR),
+        "torch eager": Loop(engine, False, raw=True),
+        "torch compiled": Loop(engine, INDUCTOR, raw=True),
+    }
+    for x, y in batches[:5]:  # warm-up; the compiled loops compile here
         for loop in loops.values():
             loop.step(x, y)
     for loop in loops.values():
         loop.phases = {name: [] for name in loop.phases}
     times: dict[str, list[float]] = {name: [] for name in loops}
+    names = list(loops)
     for i, (x, y) in enumerate(batches[5:]):
-        for name in list(loops) if i % 2 == 0 else list(reversed(loops)):
+        # Each loop goes first in turn, and the order reverses every other round.
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order if (i // len(names)) % 2 == 0 else reversed(order):
             times[name].append(loops[name].step(x, y))
-    ratios = [c / e for e, c in zip(times["eager"], times["compiled"])]
+
+    def paired(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(times[a], times[b])]
+
     return {
         "median": {name: statistics.median(t) for name, t in times.items()},
-        "ratios": ratios,
+        "ratios": paired("compiled", "eager"),
+        "vs_torch": {
+            "eager": paired("eager", "torch eager"),
+            "compiled": paired("compiled", "torch compiled"),
+            "torch compiled/eager": paired("torch compiled", "torch eager"),
+        },
         "phases": {n: {p: statistics.median(v) for p, v in loop.phases.items()} for n, loop in loops.items()},
         "regions": loops["compiled"].engine.compiled_regions,
     }
 
 
 def part_step(args: argparse.Namespace) -> None:
+    loops_shown = ("eager", "compiled", "torch eager", "torch compiled")
     print(
         f"1. step time, demo LM (2 blocks, width 64), batch 16 x 64 per rank, 2 processes, {args.steps} steps"
     )
@@ -135,10 +179,17 @@ def part_step(args: argparse.Namespace) -> None:
             f"  {strategy:5s} eager {med['eager'] * 1e3:7.2f} ms  compiled {med['compiled'] * 1e3:7.2f} ms  "
             f"compiled/eager {ratio:.3f} (median of paired steps, {spread(result['ratios'])}; goal <= 0.85)"
         )
-        for name in ("eager", "compiled"):
+        print(
+            f"        raw torch: eager {med['torch eager'] * 1e3:7.2f} ms  compiled "
+            f"{med['torch compiled'] * 1e3:7.2f} ms"
+        )
+        for label, ratios in result["vs_torch"].items():
+            label = label if "/" in label else f"stratagem {label} / torch {label}"
+            print(f"        {label}: {statistics.median(ratios):.3f} ({spread(ratios)})")
+        for name in loops_shown:
             phases = result["phases"][name]
             shown = ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in phases.items())
-            print(f"        {name:8s} {shown}")
+            print(f"        {name:14s} {shown}")
 
 
 # -------------------------------------------------------------------------------------------------

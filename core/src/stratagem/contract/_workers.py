@@ -351,10 +351,13 @@ def _strategy(spec: dict[str, Any]) -> Any:
 
 
 def _section(result: dict[str, Any], name: str, function: Callable[[], Any]) -> None:
+    start = time.perf_counter()
     try:
         result[name] = function()
     except Exception:
         result["errors"][name] = traceback.format_exc()
+    # What each section costs the suite's time (the compile section is meant to stay a few seconds).
+    result.setdefault("seconds", {})[name] = time.perf_counter() - start
 
 
 def run_phase(spec: dict[str, Any]) -> dict[str, Any]:

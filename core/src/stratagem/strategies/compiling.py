@@ -137,6 +137,7 @@ class CompileOptions:
         return kwargs
 
     def describe(self) -> str:
+        """The options that differ from the defaults, as ``backend=inductor, fullgraph=True`` (for messages)."""
         backend = (
             self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "custom")
         )
@@ -214,6 +215,7 @@ class Compiler:
 
     @property
     def enabled(self) -> bool:
+        """Whether this run compiles (``compile=`` was given)."""
         return self.options is not None
 
     def __call__(self, module: torch.nn.Module, prefix: str = "") -> list[str]:
