@@ -118,5 +118,5 @@ def reference(replicas: int, world_size: int) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"losses": losses, "params": dict(model.state_dict()), "initial": initial}
