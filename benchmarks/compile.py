@@ -104,7 +104,8 @@ class Loop:
 
         for block in model.blocks:
             fully_shard(block)
-        return fully_shard(model)
+        # The root's parameters stay gathered from forward to backward, as stratagem's fsdp does by default.
+        return fully_shard(model, reshard_after_forward=False)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         import torch.distributed as dist
