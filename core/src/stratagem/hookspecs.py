@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     import torch
 
     from stratagem.launchers._job import LaunchJob
-    from stratagem.strategies.compiling import Compiler
     from stratagem.launchers.cluster import ClusterEnvironment
+    from stratagem.strategies.compiling import Compiler
 
 PROJECT_NAME = "stratagem"
 
