@@ -64,6 +64,7 @@ def test_certified(name: str, tmp_path: Path) -> None:
         "checkpoint_formats": caps.checkpoint_formats,
         "precisions": caps.precisions,
         "accelerators": caps.accelerators,
+        "compile": {caps.compile},
     }
     for case in cases:
         skipped = case.find("skipped")

@@ -112,6 +112,23 @@ def test_wrong_all_reduce_fails_the_all_reduce_check(report: dict[str, tuple[str
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
+def test_a_strategy_that_declares_it_cannot_compile_skips_the_compile_section(
+    report: dict[str, tuple[str, str]],
+) -> None:
+    from stratagem.contract._checks import skipped_declaration
+
+    compile_checks = {
+        k: v for k, v in _results(report, "contract_broken_all_reduce").items() if "test_compile" in k
+    }
+    assert len(compile_checks) == 4, sorted(compile_checks)
+    for name, (outcome, message) in compile_checks.items():
+        assert outcome == "skipped", (name, message)
+        assert skipped_declaration(message.strip()) == ("compile", "True"), message
+        assert "declares Capabilities(compile=False)" in message, message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
 def test_checkpoint_without_optimizer_state_fails_the_round_trip(report: dict[str, tuple[str, str]]) -> None:
     name = "contract_broken_optimizer_checkpoint"
     outcome, message = report[f"test_checkpoint::test_round_trip[{name}-full]"]

@@ -177,6 +177,10 @@ class ConfigurationError(StratagemError, ValueError):
     """An option of the Engine, Trainer or a strategy has a value that cannot work."""
 
 
+class CompileError(ConfigurationError):
+    """``torch.compile`` cannot compile the model as asked (``fullgraph=True`` over a graph break)."""
+
+
 class WorkerFailedError(StratagemError, RuntimeError):
     """A worker process raised or died; the whole run was stopped."""
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from stratagem.launchers._job import LaunchJob
     from stratagem.launchers.cluster import ClusterEnvironment
+    from stratagem.strategies.compiling import Compiler
 
 PROJECT_NAME = "stratagem"
 
@@ -91,12 +92,20 @@ def model_sharded_context() -> ContextManager[None]:
 
 
 @hookspec(firstresult=True)
-def wrap_model(model: torch.nn.Module) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, compiler: Compiler) -> torch.nn.Module:
     """Wrap the model for this strategy (move, shard, replicate) and return the module to train.
 
     Stops at the first non-``None`` result.
 
+    Where compile goes: the framework's order is tensor parallelism, activation checkpointing, compile, then
+    data-parallel wrapping. An implementation that does not take ``compiler`` gets the model compiled before
+    this hook is called (right when it only replicates or shards for data parallelism). One that takes it
+    calls ``compiler(module)`` itself, after its own tensor-parallel and activation-checkpointing steps and
+    before its data-parallel wrapping; the Engine checks that it did.
+
     :param model: the user's module, possibly built under :func:`model_init_context`.
+    :param compiler: compiles a module in place (each repeated block once, or the whole module) with the
+        run's ``compile=`` options; a no-op when the run does not compile (``compiler.enabled`` says which).
     """
 
 

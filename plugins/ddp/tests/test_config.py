@@ -152,5 +152,7 @@ def test_config_is_frozen() -> None:
 def test_wrap_model_without_process_group_says_what_to_do() -> None:
     import torch
 
+    from stratagem.strategies.compiling import Compiler
+
     with pytest.raises(ConfigurationError, match="needs a process group"):
-        DDPStrategy().wrap_model(torch.nn.Linear(2, 2))
+        DDPStrategy().wrap_model(torch.nn.Linear(2, 2), Compiler(None))

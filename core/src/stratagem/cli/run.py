@@ -48,8 +48,37 @@ def _add_parsers(sub: argparse._SubParsersAction) -> None:
         help="how the workers start: 'elastic' (torch's agent, the default) or an installed launcher plugin "
         "(`stratagem launchers` lists them)",
     )
+    _add_compile_arguments(p, "the script's Engine.setup/Trainer where it passes no compile=")
     p.add_argument("script", help="the script to run (or -m followed by a module)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def _add_compile_arguments(p: argparse.ArgumentParser, where: str) -> None:
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help=f"torch.compile the model in {where} (after tensor parallelism and activation checkpointing, "
+        "before data-parallel wrapping; each repeated block once)",
+    )
+    p.add_argument(
+        "--compile-options",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="compile options (implies --compile): backend, mode, fullgraph, dynamic, regional, e.g. "
+        "backend=aot_eager or mode=max-autotune-no-cudagraphs",
+    )
+
+
+def compile_request(args: argparse.Namespace) -> str | None:
+    """``--compile``/``--compile-options`` as the text ``STRATAGEM_COMPILE`` takes, checked (an unknown backend
+    or mode fails here, naming those that exist); ``None`` without either."""
+    if not args.compile and args.compile_options is None:
+        return None
+    text = args.compile_options or "1"
+    from stratagem.strategies.compiling import compile_options
+
+    compile_options(text)
+    return text
 
 
 cli._PARSER_EXTENSIONS.append(_add_parsers)
@@ -81,6 +110,11 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigurationError(f"{args.script}: no such script.")
         command = [sys.executable, args.script, *args.args]
     env = {}
+    compile = compile_request(args)
+    if compile is not None:
+        from stratagem.engine import COMPILE_ENV
+
+        env[COMPILE_ENV] = compile
     if args.strategy:
         from stratagem.registry._manager import get_registry
 

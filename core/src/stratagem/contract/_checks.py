@@ -15,7 +15,7 @@ _PHASES = {1: "phase one (collectives, training, saving)", 2: "phase two (loadin
 _SKIP_REASON = re.compile(r"^undeclared (?P<name>[a-z_]+)=(?P<value>.+?): ")
 #: The declarations a skip may name: the capability fields and the strategy's contract declarations.
 DECLARATIONS = frozenset(
-    {"accelerators", "precisions", "checkpoint_formats", "requires", "contract_tolerance"}
+    {"accelerators", "precisions", "checkpoint_formats", "requires", "contract_tolerance", "compile"}
 )
 
 

@@ -141,6 +141,7 @@ def _spec(subject: Subject, workdir: Path, phase: int, single_device: str) -> di
         "phase": phase,
         "train": subject.no_training is None,
         "formats": subject.formats,
+        "compile": bool(subject.info.capabilities.compile),
         "workdir": str(workdir),
         "single_device_checkpoint": single_device,
     }

@@ -82,11 +82,11 @@ def saved_full(engine: Any, state: dict[str, Any], path: str) -> dict[str, Any] 
     }
 
 
-def build(engine: Any, seed: int) -> tuple[torch.nn.Module, Any]:
+def build(engine: Any, seed: int, compile: Any = False) -> tuple[torch.nn.Module, Any]:
     with engine.init_module():
         model = m.build_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=m.LEARNING_RATE)
-    return engine.setup(model, optimizer)
+    return engine.setup(model, optimizer, compile=compile)
 
 
 def batches(engine: Any) -> list[Any]:
@@ -279,6 +279,45 @@ def trainer_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The compile section's options: Dynamo's tracing and AOTAutograd's graphs without inductor's code generation,
+#: so the section costs seconds; the repository's own tests compile each strategy family with inductor too.
+COMPILE = {"backend": "aot_eager"}
+
+
+def compiled_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The straight run's training again, compiled in the framework's place (each block once): per-step losses
+    and norms, the frames Dynamo compiled by the end of each step, and the full checkpoint's keys as written."""
+    from stratagem.strategies.compiling import dynamo_counts
+
+    start = dynamo_counts()["frames"]
+    model, optimizer = build(engine, m.MODEL_SEED, compile=COMPILE)
+    regions = list(engine.compiled_regions)
+    data = batches(engine)
+    losses, norms, frames = [], [], []
+    for step in range(m.STEPS_BEFORE_SAVE + m.STEPS_AFTER_SAVE):
+        loss, norm = train(engine, model, optimizer, data, step, 1)
+        losses += loss
+        norms += norm
+        frames.append(dynamo_counts()["frames"] - start)
+    out: dict[str, Any] = {
+        "regions": regions,
+        "losses": losses,
+        "norms": norms,
+        "frames": frames,
+        "params": observed_params(model),
+        "keys": None,
+    }
+    if _has_full(spec):
+        path = str(Path(spec["workdir"]) / "compiled.pt")
+        engine.save(path, {"model": model, "optimizer": optimizer}, format="full")
+        engine.barrier("stratagem-contract-compiled-saved")
+        if engine.rank == 0:
+            payload = torch.load(path, weights_only=True)
+            out["keys"] = sorted(payload["model"]["model"])
+            out["full"] = {"params": {_clean_name(k): v for k, v in payload["model"]["model"].items()}}
+    return out
+
+
 def _child_processes() -> list[str] | None:
     from stratagem.contract._processes import child_processes
 
@@ -312,10 +351,13 @@ def _strategy(spec: dict[str, Any]) -> Any:
 
 
 def _section(result: dict[str, Any], name: str, function: Callable[[], Any]) -> None:
+    start = time.perf_counter()
     try:
         result[name] = function()
     except Exception:
         result["errors"][name] = traceback.format_exc()
+    # What each section costs the suite's time (the compile section is meant to stay a few seconds).
+    result.setdefault("seconds", {})[name] = time.perf_counter() - start
 
 
 def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
@@ -346,6 +388,8 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
             if _has_full(spec):
                 _section(result, "final", lambda: final_state(engine, spec))
             _section(result, "trainer", lambda: trainer_run(engine, spec))
+            if spec.get("compile"):
+                _section(result, "compiled", lambda: compiled_run(engine, spec))
     else:
         if spec["train"]:
             for fmt in spec["formats"]:

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stratagem.engine._defaults import DEFAULT_LAUNCHER, DEFAULT_TIMEOUT_S, LAUNCHER_ENV, STRATEGY_ENV
+from stratagem.engine._defaults import (
+    COMPILE_ENV,
+    DEFAULT_LAUNCHER,
+    DEFAULT_TIMEOUT_S,
+    LAUNCHER_ENV,
+    STRATEGY_ENV,
+)
 from stratagem.registry._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from stratagem.engine._engine import Engine
 
-__all__ = ["DEFAULT_LAUNCHER", "DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "STRATEGY_ENV", "Engine"]
+__all__ = ["COMPILE_ENV", "DEFAULT_LAUNCHER", "DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "STRATEGY_ENV", "Engine"]
 
 
 __getattr__ = lazy_getattr(__name__, {"Engine": "stratagem.engine._engine"}, globals())

@@ -7,5 +7,9 @@ STRATEGY_ENV = "STRATAGEM_STRATEGY"
 LAUNCHER_ENV = "STRATAGEM_LAUNCHER"
 #: The launcher of ``launcher="auto"`` when the environment names none: torch's elastic agent.
 DEFAULT_LAUNCHER = "elastic"
+#: ``stratagem run --compile`` sets this: ``compile=`` where a script passes none (``1``, a backend name, or
+#: ``key=value,...`` of the compile options).
+COMPILE_ENV = "STRATAGEM_COMPILE"
+
 #: Seconds a collective may wait before the process group gives up (``Engine(timeout=...)``).
 DEFAULT_TIMEOUT_S = 1800.0

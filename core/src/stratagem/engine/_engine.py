@@ -11,6 +11,7 @@ from typing import Any, ContextManager
 import torch
 
 from stratagem.engine._checkpoints import Checkpoints
+from stratagem.engine._compiling import Compiling
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
 from stratagem.engine._launching import Launching
 from stratagem.engine._optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer, _unwrap
@@ -23,7 +24,7 @@ from stratagem.strategies.base import Strategy
 from stratagem.strategies.precision import normalize
 
 
-class Engine(Launching, Checkpoints):
+class Engine(Launching, Checkpoints, Compiling):
     """Run a training loop under a strategy chosen by name.
 
     :param strategy: a registered name (``"ddp"``, ``"fsdp"``, ...), ``"auto"``, or a ``Strategy`` instance.
@@ -273,10 +274,17 @@ class Engine(Launching, Checkpoints):
         with self._hooks.model_init_context(empty_init), self._hooks.model_sharded_context():
             yield
 
-    def setup(self, model: torch.nn.Module, *optimizers: Any) -> Any:
-        """Wrap the model and its optimizers; return ``model`` or ``(model, *optimizers)``."""
+    def setup(self, model: torch.nn.Module, *optimizers: Any, compile: Any = None) -> Any:
+        """Wrap the model and its optimizers; return ``model`` or ``(model, *optimizers)``.
+
+        ``compile``: ``True``, or a dict of ``backend``, ``mode``, ``fullgraph``, ``dynamic`` and ``regional``
+        (:class:`~stratagem.strategies.compiling.CompileOptions`), compiles the model with ``torch.compile``
+        in the framework's place: after tensor parallelism and activation checkpointing, before data-parallel
+        wrapping; each repeated block once by default. ``None`` takes ``STRATAGEM_COMPILE`` (``stratagem run
+        --compile``), if set. A model wrapped by ``torch.compile`` already is unwrapped and compiled there.
+        """
         names = {id(p): _clean_name(n) for n, p in model.named_parameters()}
-        wrapped = self.setup_module(model)
+        wrapped = self.setup_module(model, compile=compile)
         if not optimizers:
             return wrapped
         for optimizer in optimizers:
@@ -292,9 +300,10 @@ class Engine(Launching, Checkpoints):
                 _rebind_optimizer(optimizer, names, wrapped)
         return (wrapped, *self.setup_optimizers(wrapped, *optimizers))
 
-    def setup_module(self, model: torch.nn.Module) -> torch.nn.Module:
+    def setup_module(self, model: torch.nn.Module, compile: Any = None) -> torch.nn.Module:
+        """Wrap the model alone (``compile`` as in :meth:`setup`)."""
         self.setup_environment()
-        wrapped = self._hooks.wrap_model(model)
+        wrapped = self._wrap(model, compile)
         self._models.append(wrapped)
         return wrapped
 

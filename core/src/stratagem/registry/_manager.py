@@ -223,8 +223,17 @@ class StrategyHooks:
     def model_sharded_context(self) -> ContextManager[None]:
         return self._hook.model_sharded_context()
 
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self._hook.wrap_model(model=model)
+    def wrap_model(self, model: torch.nn.Module, compiler: Any) -> torch.nn.Module:
+        return self._hook.wrap_model(model=model, compiler=compiler)
+
+    def strategy_takes(self, hook: str, argument: str) -> bool:
+        """Whether the strategy's own implementation of ``hook`` takes ``argument``: one a spec offers and an
+        implementation may leave out, where taking it is how the strategy answers (``wrap_model``'s
+        ``compiler``)."""
+        for impl in getattr(self._hook, hook).get_hookimpls():
+            if impl.plugin is self.strategy:
+                return argument in impl.argnames
+        return False
 
     def forward_context(self) -> ContextManager[None]:
         return self._hook.forward_context()

@@ -53,6 +53,8 @@ class Capabilities:
     :param min_world_size: the fewest processes it runs on.
     :param max_world_size: the most processes it runs on (``None``: no limit).
     :param requires: distributions it needs at run time beyond its own, e.g. ``("deepspeed>=0.14",)``.
+    :param compile: whether a run may ask for ``compile=`` (``torch.compile``) with it; ``False`` is refused
+        before launch, and the contract suite skips its compile section naming this declaration.
     """
 
     accelerators: frozenset[str] = attrs.field(
@@ -67,6 +69,7 @@ class Capabilities:
     min_world_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     max_world_size: int | None = attrs.field(default=None)
     requires: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    compile: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         if self.max_world_size is not None and self.max_world_size < self.min_world_size:
@@ -116,6 +119,7 @@ class Capabilities:
             "checkpoint_formats": sorted(self.checkpoint_formats),
             "world_sizes": [self.min_world_size, self.max_world_size],
             "requires": list(self.requires),
+            "compile": self.compile,
         }
 
 

@@ -89,6 +89,10 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
     :param loggers: names (``"csv"``, ``"tensorboard"``, ``"mlflow"``, ``"wandb"``) or instances (see
         :mod:`stratagem.loggers`); default ``["csv"]`` (``metrics.csv`` under ``default_root_dir``); ``[]`` for
         none. They write from global rank 0 only.
+    :param compile: ``True`` or a dict of ``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``regional``:
+        ``torch.compile`` the model in the framework's place (after tensor parallelism and activation
+        checkpointing, before data-parallel wrapping; each repeated block once by default). Checked here, before
+        anything launches. See :meth:`stratagem.Engine.setup`.
     """
 
     def __init__(
@@ -126,6 +130,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         preemption_signals: Any = ("SIGTERM", "SIGUSR1"),
         preemption_grace_s: float = 30.0,
         slurm_requeue: bool | None = None,
+        compile: Any = None,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -163,6 +168,9 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
             launcher=launcher,
             launcher_options=launcher_options,
         )
+        # Checked before anything launches; the workers get the checked options (False: none, whatever the
+        # environment says).
+        self._compile = self.engine.resolve_compile(compile) or False
         launcher_restarts = _restarts.max_restarts()
         if launcher_restarts and not max_restarts:
             # Restarts asked of the launcher (`stratagem run --max-restarts`, `torchrun --max-restarts`).
@@ -324,14 +332,14 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         if with_optimizers and not self.optimizers:
             optimizers, self.lr_schedulers = _fit_checks.configured_optimizers(model, engine.strategy)
             if first and optimizers:
-                self.model, *self.optimizers = engine.setup(model, *optimizers)
+                self.model, *self.optimizers = engine.setup(model, *optimizers, compile=self._compile)
             else:
                 if first:  # no optimizer of the module's: the strategy's configuration defines it
-                    self.model = engine.setup_module(model)
+                    self.model = engine.setup_module(model, compile=self._compile)
                 # Set up by validate() before: optimizers over the wrapped model's parameters.
                 self.optimizers = engine.setup_optimizers(self.model, *optimizers)
         elif first:
-            self.model = engine.setup_module(model)
+            self.model = engine.setup_module(model, compile=self._compile)
 
     def _prepare_loader(self, loader: Any) -> Any:
         return self.engine.setup_dataloaders(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
+
 from stratagem import Capabilities, hookimpl
 
 _CAPABILITIES = Capabilities(
@@ -34,10 +36,15 @@ _STRATEGIES = {
 }
 
 
+#: Declares that it cannot be compiled: the suite's compile section must skip it, naming the declaration.
+_NOT_COMPILED = {"contract_broken_all_reduce"}
+
+
 @hookimpl
 def register_strategies(register: Callable[..., None]) -> None:
     for name, (cls, description) in _STRATEGIES.items():
-        register(name, f"{__name__}.strategies:{cls}", description=description, capabilities=_CAPABILITIES)
+        caps = attrs.evolve(_CAPABILITIES, compile=False) if name in _NOT_COMPILED else _CAPABILITIES
+        register(name, f"{__name__}.strategies:{cls}", description=description, capabilities=caps)
     # Written as a third party would, from the hook specs and docs/plugin-authors.md alone (zero_ddp.py).
     register(
         "contract_zero_ddp",

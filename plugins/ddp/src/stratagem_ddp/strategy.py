@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from stratagem import hookimpl
 from stratagem.errors import ConfigurationError
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.compiling import Compiler
 from stratagem.strategies.torch_distributed import TorchDistributedStrategy
 from stratagem_ddp._config import DDPConfig
 from stratagem_ddp._post_local_sgd import (
@@ -66,13 +67,16 @@ class DDPStrategy(TorchDistributedStrategy):
 
     # model -----------------------------------------------------------------------------------------
     @hookimpl
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap_model(self, model: torch.nn.Module, compiler: Compiler) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel):
             raise ConfigurationError(
                 "wrap_model: the model is a DistributedDataParallel already; pass the plain module to setup()."
             )
         # Move and cast first: DDP builds its buckets from the parameters as they are when it wraps them.
         model = Strategy.wrap_model(self, model)
+        if compiler.enabled:
+            split_graphs_at_buckets()
+        compiler(model)
         if self.config.post_local_sgd:
             default_subgroup_on_cpu(self.config.ddp_comm_state, self.device, self.cluster.local_world_size)
         wrapped = replicate(model, self.device, self.config)
@@ -141,6 +145,14 @@ def replicate(model: torch.nn.Module, device: torch.device, config: DDPConfig) -
     if device.type == "cuda":
         device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
     return DistributedDataParallel(model, device_ids=device_ids, **config.ddp_arguments())
+
+
+def split_graphs_at_buckets() -> None:
+    """Have Dynamo cut each graph compiled inside DDP's forward at the gradient buckets' boundaries, so that a
+    bucket's all-reduce starts while the backward of the graphs before it runs (torch's DDPOptimizer)."""
+    import torch._dynamo
+
+    torch._dynamo.config.optimize_ddp = "ddp_optimizer"
 
 
 def register_comm_hook(model: DistributedDataParallel, config: DDPConfig) -> None:

@@ -15,6 +15,7 @@ from stratagem import hookimpl
 from stratagem.errors import ConfigurationError
 from stratagem.launchers.cluster import ClusterEnvironment
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.compiling import Compiler
 from stratagem.strategies.precision import param_dtype
 from stratagem.strategies.torch_distributed import TorchDistributedStrategy
 from stratagem.strategies.wrapping import has_meta_tensors, wrapping_with
@@ -177,16 +178,18 @@ class FSDPStrategy(TorchDistributedStrategy):
         return module
 
     @hookimpl
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap_model(self, model: torch.nn.Module, compiler: Compiler) -> torch.nn.Module:
         assert self.plan is not None, "setup_environment runs before wrap_model"
         if not _wrap.is_sharded(model):
-            model = self._shard(model)
+            model = self._shard(model, compiler)
+        else:
+            compiler(model)  # sharded by hand already (stratagem.wrap of the root): hooks stay outside
         if has_meta_tensors(model):
             state = self._init_random_state or self.broadcast(_init.random_state(self.device), 0)
             _init.materialize_sharded(model, self.device, state)
         return model
 
-    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+    def _shard(self, model: torch.nn.Module, compiler: Compiler | None = None) -> torch.nn.Module:
         """The fixed order of FSDP2 wrapping; each step is a function of ``_wrap``."""
         assert self.plan is not None
         dtype = param_dtype(self.precision)
@@ -202,11 +205,15 @@ class FSDPStrategy(TorchDistributedStrategy):
             auto_wrap = None
         # 1. Activation checkpointing before sharding, so that a checkpointed block and its shard unit coincide.
         _wrap.checkpoint_activations(model, self.config.activation_checkpointing_policy)
-        # 2. One unit per selected module, innermost first: a unit's all-gather covers only its own block.
+        # 2. Compile (each repeated block, with its checkpointing inside), before the units: FSDP's hooks then
+        # gather and free parameters around the compiled code, never inside it.
+        if compiler is not None:
+            compiler(model)
+        # 3. One unit per selected module, innermost first: a unit's all-gather covers only its own block.
         _wrap.shard_units(_wrap.select_units(model, auto_wrap), kwargs, self.plan.unit_reshard)
-        # 3. The root last: it claims every parameter left outside the units.
+        # 4. The root last: it claims every parameter left outside the units.
         model = _wrap.shard_root(model, kwargs, self.plan.root_reshard)
-        # 4. Explicit prefetch between units (FSDP1's forward_prefetch / backward_prefetch).
+        # 5. Explicit prefetch between units (FSDP1's forward_prefetch / backward_prefetch).
         _wrap.set_prefetch(model, self.config.forward_prefetch, self.config.backward_prefetch)
         return model
 

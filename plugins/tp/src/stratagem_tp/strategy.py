@@ -1,9 +1,9 @@
 """``tp`` and ``fsdp_tp``: tensor parallelism over a ``DeviceMesh``, alone or under FSDP2 on a 2-D mesh.
 
 ``wrap_model`` applies, in this order (torchtitan's): the tensor-parallel plan on the ``tp`` dimension
-(``parallelize_module``), activation checkpointing, then for ``fsdp_tp`` ``fully_shard`` over the ``dp``
-dimension (units innermost first, the root last), and finally materialisation of a model built on the meta
-device. Each step lives in its own function.
+(``parallelize_module``), activation checkpointing, compile (when the run asks for it), then for ``fsdp_tp``
+``fully_shard`` over the ``dp`` dimension (units innermost first, the root last), and finally materialisation
+of a model built on the meta device. Each step lives in its own function.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from stratagem import hookimpl
 from stratagem.errors import ConfigurationError
 from stratagem.launchers.cluster import ClusterEnvironment
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.compiling import Compiler
 from stratagem.strategies.precision import param_dtype
 from stratagem.strategies.torch_distributed import TorchDistributedStrategy
 from stratagem.strategies.wrapping import has_meta_tensors, wrapping_with
@@ -187,8 +188,9 @@ class TPStrategy(TorchDistributedStrategy):
         return module
 
     @hookimpl
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap_model(self, model: torch.nn.Module, compiler: Compiler) -> torch.nn.Module:
         if _wrap.is_sharded(model):
+            compiler(model)
             return model
         deferred = has_meta_tensors(model)
         dtype = param_dtype(self.precision)
@@ -200,9 +202,12 @@ class TPStrategy(TorchDistributedStrategy):
         self.apply_tensor_parallel(model, deferred)
         # 2. Activation checkpointing, so that a checkpointed block and its FSDP unit coincide.
         _wrap.checkpoint_activations(model, self.config.activation_checkpointing_policy)
-        # 3. FSDP over the dp dimension (fsdp_tp only).
+        # 3. Compile: each block traced with its tensor-parallel layers and its recomputation inside, and FSDP's
+        # hooks outside.
+        compiler(model)
+        # 4. FSDP over the dp dimension (fsdp_tp only).
         model = self.shard_data_parallel(model)
-        # 4. Allocate and initialise what was built on the meta device, as one eager process would.
+        # 5. Allocate and initialise what was built on the meta device, as one eager process would.
         if deferred:
             state = self._init_random_state or self.broadcast(_init.random_state(self.device), 0)
             _init.materialize_sharded(model, self.device, state)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from stratagem import cli
+from stratagem.cli.run import _add_compile_arguments, compile_request
 
 
 def _add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +31,7 @@ def _add_parsers(sub: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--launcher", default="auto", help="how the workers start (`stratagem launchers` lists them)"
     )
+    _add_compile_arguments(d, "the demo's Trainer")
 
 
 cli._PARSER_EXTENSIONS.append(_add_parsers)
@@ -50,5 +52,6 @@ def _demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress_bar=not args.no_progress_bar,
         launcher=args.launcher,
+        compile=compile_request(args) or False,
     )
     return 0

@@ -68,6 +68,7 @@ def run(
     seed: int = 0,
     progress_bar: bool = True,
     launcher: str = "auto",
+    compile: Any = False,
 ) -> dict[str, Any]:
     """Train for ``steps`` steps: the first half, a checkpoint, then a new model and Trainer resuming from it
     for the second half. Returns the report (on rank 0; the other ranks return theirs)."""
@@ -96,6 +97,7 @@ def run(
         log_every_n_steps=10,
         enable_progress_bar=progress_bar,
         launcher=launcher,
+        compile=compile,
     )
     first = sg.Trainer(max_steps=half, **common)
     model = CharLM(len(data.vocab))
@@ -107,6 +109,9 @@ def run(
         f"{steps} steps, checkpoint and resume at step {half}."
     )
     first.fit(model, loader)
+    if first.engine.compiled_regions:
+        regions = first.engine.compiled_regions
+        first.print(f"compiled with torch.compile: {', '.join(r or 'the model' for r in regions)}")
     first_losses = list(model.losses)
 
     # A fresh model and Trainer, as a new run would make them: everything comes back from the checkpoint.
