@@ -170,6 +170,20 @@ def test_the_verdict_follows_from_outcomes_and_declarations() -> None:
     tolerance["declarations"]["contract_tolerance"] = None
     assert certificate.recompute(tolerance)[0] == "passed"
 
+    # Capabilities(compile=False) justifies skipping the compile section; compile=True does not.
+    flag = copy.deepcopy(strategy)
+    flag["checks"][1] = {
+        "check": "test_compile::test_compiled_training_matches_eager",
+        "outcome": "skipped",
+        "reason": "undeclared compile=True: acme declares Capabilities(compile=False)",
+        "declaration": {"name": "compile", "value": True},
+    }
+    flag["declarations"]["compile"] = True
+    verdict, reasons = certificate.recompute(flag)
+    assert verdict == "failed" and "yet the subject declares compile=True" in reasons[0]
+    flag["declarations"]["compile"] = False
+    assert certificate.recompute(flag)[0] == "passed"
+
     not_run = copy.deepcopy(strategy)
     not_run["checks"][0]["outcome"] = "not_run"
     assert certificate.recompute(not_run)[0] == "failed"

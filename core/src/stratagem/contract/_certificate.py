@@ -55,6 +55,7 @@ def capability_declarations(kind: str, info: Any) -> dict[str, Any]:
             "min_world_size": caps.min_world_size,
             "max_world_size": caps.max_world_size,
             "requires": list(caps.requires),
+            "compile": bool(caps.compile),
         }
     if kind == "launcher":
         caps = info.capabilities
@@ -78,9 +79,18 @@ def unjustified_skip(check: Mapping[str, Any], declarations: Mapping[str, Any]) 
     if name not in declarations:
         return f"{check['check']} was skipped for {name}={value!r}, a declaration the certificate does not record"
     declared = declarations[name]
-    # A set-valued declaration excludes what it lacks; a single value excludes by being that value.
+    # A set-valued declaration excludes what it lacks, a flag by being off (the skip names the missing True),
+    # a single value by being that value.
     if isinstance(declared, list) and value not in declared:
         return None
+    if isinstance(declared, bool):
+        return (
+            None
+            if value is True and declared is False
+            else (
+                f"{check['check']} was skipped for {name}={value!r}, yet the subject declares {name}={declared!r}"
+            )
+        )
     if not isinstance(declared, list) and declared == value:
         return None
     return f"{check['check']} was skipped for {name}={value!r}, yet the subject declares {name}={declared!r}"
