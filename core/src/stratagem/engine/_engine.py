@@ -14,6 +14,7 @@ from stratagem.engine._checkpoints import Checkpoints
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
 from stratagem.engine._launching import Launching
 from stratagem.engine._optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer, _unwrap
+from stratagem.engine._steps import Steps
 from stratagem.engine.seed import seed_everything
 from stratagem.errors import ConfigurationError
 from stratagem.launchers import _spawn as agent
@@ -23,7 +24,7 @@ from stratagem.strategies.base import Strategy
 from stratagem.strategies.precision import normalize
 
 
-class Engine(Launching, Checkpoints):
+class Engine(Launching, Checkpoints, Steps):
     """Run a training loop under a strategy chosen by name.
 
     :param strategy: a registered name (``"ddp"``, ``"fsdp"``, ...), ``"auto"``, or a ``Strategy`` instance.
