@@ -147,7 +147,9 @@ def _called(plan: Any, num_stages: int, source: str) -> Any:
     answer = plan(num_stages)
     problem = form_problem(answer)
     if problem:
-        raise ConfigurationError(f"pp_plan from {source} returned {answer!r} for {num_stages} stages: {problem}")
+        raise ConfigurationError(
+            f"pp_plan from {source} returned {answer!r} for {num_stages} stages: {problem}"
+        )
     return answer
 
 

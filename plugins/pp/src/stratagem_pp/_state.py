@@ -103,7 +103,9 @@ def optimizer_state_dict(
     strategy: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer, full: bool
 ) -> dict[str, Any]:
     if not full:
-        return Strategy.optimizer_state_dict(strategy, module, optimizer, full=False)
+        return _with_every_stage_in_groups(
+            Strategy.optimizer_state_dict(strategy, module, optimizer, full=False)
+        )
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     stage = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
@@ -130,6 +132,30 @@ def load_optimizer_state_dict(
     state_dict: dict[str, Any],
     full: bool,
 ) -> None:
-    if full:
-        state_dict = local_optimizer_state(state_dict, _local_keys(strategy, module))
+    # Full or sharded, the parameter groups name every stage's parameters (see _with_every_stage_in_groups).
+    state_dict = local_optimizer_state(state_dict, _local_keys(strategy, module))
     Strategy.load_optimizer_state_dict(strategy, module, optimizer, state_dict, full=full)
+
+
+def _with_every_stage_in_groups(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A sharded optimizer state whose parameter groups list the names of every stage's parameters.
+
+    DCP keeps one copy of a value that is not a tensor (a group's settings and its ``params`` list), whichever
+    rank wrote it; with each rank's own names a checkpoint would keep one stage's, and a whole-model load
+    (``single_device`` after consolidation, ``fsdp``) would find the other stages' parameters in no group.
+    Loading cuts the lists back to this rank's names."""
+    groups = state_dict.get("param_groups", [])
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [list(g.get("params", [])) for g in groups])
+    if len({len(names) for names in every}) > 1:
+        raise CheckpointError(
+            "(sharded optimizer state)",
+            "the pipeline's stages have different numbers of optimizer parameter groups; a checkpoint lists "
+            "every stage's parameters group by group. Give every stage the same groups (an empty group where a "
+            "stage has none of its parameters).",
+        )
+    merged = []
+    for index, group in enumerate(groups):
+        names = list(dict.fromkeys(name for rank_groups in every for name in rank_groups[index]))
+        merged.append({**group, "params": names})
+    return {**state_dict, "param_groups": merged}
