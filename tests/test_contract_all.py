@@ -67,6 +67,41 @@ def test_certified(name: str, tmp_path: Path) -> None:
             assert capability in declared and ast.literal_eval(value) not in declared[capability], reason
 
 
+#: stratagem-pp's strategies, and ``pp`` with each schedule torch offers, certified together: the names of
+#: one world size share their two launches (``--share-launches``), so that the seven configurations of
+#: ``pp`` cost two launches rather than fourteen.
+PIPELINE_SCHEDULES = ("gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv_zero_bubble", "dual_pipe_v")
+PIPELINES = ["pp", *(f"pp[schedule={s}]" for s in PIPELINE_SCHEDULES), "pp_fsdp"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    not any(info.plugin.distribution == "stratagem-pp" for info in get_registry()),
+    reason="needs stratagem-pp installed",
+)
+def test_pipelines_certified(tmp_path: Path) -> None:
+    from stratagem_pp import SCHEDULES
+
+    # Every schedule is certified: 1f1b is pp's default.
+    assert {"1f1b", *PIPELINE_SCHEDULES} == set(SCHEDULES)
+    junit = tmp_path / "report.xml"
+    completed = subprocess.run(
+        [sys.executable, "-m", "stratagem", "contract", *PIPELINES, "--share-launches"]
+        + [f"--pytest-args=--junitxml={junit}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
+    assert completed.returncode == 0, completed.stdout[-6000:] + completed.stderr[-3000:]
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+    for name in PIPELINES:
+        mine = [c for c in cases if f"[{name}]" in c.get("name", "") or f"[{name}-" in c.get("name", "")]
+        assert len(mine) >= 15, f"{name}: {len(mine)} checks ran"
+        assert not [c for c in mine if c.find("skipped") is not None], f"{name}: a check was skipped"
+
+
 LAUNCHER_PACKAGES = ("stratagem", "stratagem-ray")
 LAUNCHERS = sorted(
     name for name, info in get_registry().launchers.items() if info.plugin.distribution in LAUNCHER_PACKAGES

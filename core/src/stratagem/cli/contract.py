@@ -12,7 +12,10 @@ from stratagem import cli
 
 
 def pytest_command(
-    names: Sequence[str], extra: Sequence[str] = (), launchers: Sequence[str] = ()
+    names: Sequence[str],
+    extra: Sequence[str] = (),
+    launchers: Sequence[str] = (),
+    share_launches: bool = False,
 ) -> list[str]:
     """The pytest command line that runs the contract suite on the strategies ``names`` and ``launchers``."""
     command = [
@@ -29,6 +32,8 @@ def pytest_command(
         command += ["--stratagem-strategy", name]
     for name in launchers:
         command += ["--stratagem-launcher", name]
+    if share_launches:
+        command.append("--stratagem-share-launches")
     return [*command, *extra]
 
 
@@ -45,6 +50,12 @@ def _add_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="NAME",
         help="certify this launcher too (repeatable, or 'all'); see `stratagem launchers`",
+    )
+    p.add_argument(
+        "--share-launches",
+        action="store_true",
+        help="certify the strategies of one world size in the same two launches (faster; a worker that "
+        "crashes fails all of them)",
     )
     p.add_argument(
         "--pytest-args",
@@ -66,7 +77,8 @@ def _contract(args: argparse.Namespace) -> int:
         )
         return 2
     # A subprocess: the suite launches workers and imports the strategies; this process stays clean.
-    return subprocess.call(pytest_command(args.names, shlex.split(args.pytest_args), args.launcher))
+    command = pytest_command(args.names, shlex.split(args.pytest_args), args.launcher, args.share_launches)
+    return subprocess.call(command)
 
 
 cli._PARSER_EXTENSIONS.append(_add_parser)

@@ -374,3 +374,8 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     _section(result, "teardown", lambda: teardown(engine))
     result["calls"] = recorder.snapshot()
     return result
+
+
+def run_phases(specs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Run one phase for each spec in turn in this worker (strategies certified together); results by name."""
+    return {spec["name"]: run_phase(spec) for spec in specs}
