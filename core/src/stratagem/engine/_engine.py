@@ -259,6 +259,13 @@ class Engine(Launching, Checkpoints, Steps):
         )
 
     @property
+    def data_parallel_size(self) -> int:
+        """Replicas the data is dealt among (the sampler's ``num_replicas``): the world size, or fewer where
+        ranks share their batches (tensor-parallel, pipeline)."""
+        self.setup_environment()
+        return int(self._hooks.distributed_sampler_kwargs()["num_replicas"])
+
+    @property
     def device_mesh(self) -> Any:
         """The strategy's ``DeviceMesh`` (``hsdp``, ``tp``, ``fsdp_tp`` own one), or ``None`` for a strategy
         without a mesh. The core only hands it on; what its dimensions mean is the strategy's to document."""
