@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from stratagem.engine import Engine
     from stratagem.engine.seed import seed_everything
     from stratagem.launchers.cluster import ClusterEnvironment
+    from stratagem.registry._manager import get_registry
     from stratagem.strategies import SingleDeviceStrategy, Strategy, TorchDistributedStrategy
     from stratagem.trainer import Module, Trainer
 

@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "stratagem"
 
+#: Marks a hook specification: every function below carries it.
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+#: Marks a plugin's implementation of a hook: ``@hookimpl`` on a function or method named after the hook, or
+#: ``@hookimpl(wrapper=True)`` for an add-on that wraps a strategy operation.
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 

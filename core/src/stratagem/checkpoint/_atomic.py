@@ -28,6 +28,7 @@ _RENAME_EXCHANGE = 2
 
 
 def temporary_sibling(path: Path) -> Path:
+    """A fresh name beside ``path`` to write into before publishing; a later run recognises it as debris."""
     return path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:10]}")
 
 
@@ -45,6 +46,7 @@ def fsync_path(path: Path) -> None:
 
 
 def fsync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root`` to disk, so a rename publishes written data."""
     for current, _dirs, files in os.walk(root):
         for name in files:
             fsync_path(Path(current) / name)

@@ -21,8 +21,11 @@ import torch
 
 from stratagem.errors import CheckpointError
 
+#: The version of the checkpoint format, recorded in every checkpoint's metadata.
 FORMAT_VERSION = 1
+#: The JSON metadata file of a sharded checkpoint directory (format, strategy, world size, versions).
 METADATA_FILE = "stratagem.json"
+#: The file of a sharded checkpoint directory that holds its plain state (step, RNG states, extras).
 STATE_FILE = "state.pt"
 _PER_RANK = "__stratagem_per_rank__"
 
@@ -39,6 +42,9 @@ class PerRank:
 
 @attrs.define
 class Parts:
+    """A checkpoint's ``state`` sorted by what each entry is: modules, optimizers, objects with a
+    ``state_dict``, and plain values."""
+
     modules: dict[str, torch.nn.Module] = attrs.field(factory=dict)
     optimizers: dict[str, Any] = attrs.field(factory=dict)
     stateful: dict[str, Any] = attrs.field(factory=dict)
@@ -52,6 +58,7 @@ def _is_optimizer(obj: Any) -> bool:
 
 
 def classify(state: dict[str, Any]) -> Parts:
+    """Sort ``state`` into :class:`Parts`; keys must be strings."""
     parts = Parts()
     for key, value in state.items():
         if not isinstance(key, str):
@@ -142,6 +149,7 @@ def unpack_per_rank(value: Any, rank: int) -> Any:
 
 
 def metadata(strategy: Any, fmt: str, parts: Parts, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The metadata every checkpoint records (format, strategy, world size, versions, what it holds)."""
     from stratagem.registry._version import __version__
 
     return {

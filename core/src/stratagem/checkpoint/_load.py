@@ -106,6 +106,7 @@ def _reconcile(
 def _restore_plain(
     strategy: Any, parts: Parts, saved_state: dict[str, Any], strict: bool, path: Path
 ) -> dict[str, Any]:
+    """Load the stateful objects' saved state into them; return the rest, with this rank's per-rank values."""
     for key, obj in parts.stateful.items():
         if key not in saved_state:
             if strict:

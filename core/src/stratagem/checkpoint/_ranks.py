@@ -60,6 +60,7 @@ def _describe(error: BaseException) -> str:
 
 
 def _attempt(function: Any, *args: Any) -> tuple[Any, BaseException | None]:
+    """``(result, None)``, or ``(None, error)`` if ``function(*args)`` raised; ``agree`` reports the error."""
     try:
         return function(*args), None
     except Exception as exc:  # reported on every rank by _agree
@@ -90,6 +91,7 @@ def _local_state(parts: Parts) -> dict[str, Any]:
 
 
 def _gather_per_rank(strategy: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each :class:`PerRank` value replaced by every rank's value (a collective)."""
     gathered = {}
     for key, value in state.items():
         if isinstance(value, PerRank):

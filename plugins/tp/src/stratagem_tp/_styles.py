@@ -24,7 +24,7 @@ from stratagem.errors import ConfigurationError
 #: Styles that split a weight: they apply to ``nn.Linear`` and ``nn.Embedding`` only (torch's rule).
 SPLITTING = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input"}
 
-#: name -> what it does, for the documentation and for error messages.
+#: The parallel styles a tensor-parallel plan may name: name -> what it does (also quoted by error messages).
 STYLE_NAMES = {
     "colwise": "split the output features (weight rows); output stays split on the last dim",
     "rowwise": "split the input features (weight columns); output all-reduced (embedding: split the vocabulary)",

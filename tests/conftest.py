@@ -1,0 +1,63 @@
+"""Fixtures shared by the repository-wide tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS_REQUIREMENTS = "pip install -r requirements-docs.txt"
+
+
+def build_site(root: Path, out: Path) -> tuple[float, str]:
+    """``mkdocs build --strict`` of the checkout at ``root`` into ``out``; fails the test on any warning."""
+    pytest.importorskip(
+        "mkdocstrings_handlers.python", reason=f"the docs tools are not installed: {DOCS_REQUIREMENTS}"
+    )
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(root / "mkdocs.yml"), "-d", str(out)],
+        cwd=root,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    elapsed = time.perf_counter() - start
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{log}"
+    warnings = [line for line in log.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    assert not warnings, "\n".join(warnings)
+    return elapsed, log
+
+
+@pytest.fixture(scope="session")
+def check_site() -> ModuleType:
+    """docs/gen/check_site.py, the completeness check (a script beside the generators, not a package)."""
+    spec = importlib.util.spec_from_file_location("check_site", ROOT / "docs" / "gen" / "check_site.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+@pytest.fixture(scope="session")
+def build_docs() -> Callable[[Path, Path], tuple[float, str]]:
+    """``build_docs(checkout, out)``: a strict build of another checkout (a modified copy, say)."""
+    return build_site
+
+
+@pytest.fixture(scope="session")
+def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The documentation site of this checkout, built once per session (strictly: a warning fails it)."""
+    out = tmp_path_factory.mktemp("site")
+    elapsed, _ = build_site(ROOT, out)
+    print(f"docs: mkdocs build --strict took {elapsed:.1f} s")
+    return out
