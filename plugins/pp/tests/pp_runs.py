@@ -134,7 +134,7 @@ def engine_loop(strategy: Any, devices: int) -> dict[str, Any]:
 
 def loaded(strategy: Any, devices: int, path: str) -> dict[str, Any]:
     """A fresh model (another seed) and AdamW under ``strategy``, filled from ``path`` by ``Engine.load``."""
-    engine = sg.Engine(strategy=strategy, accelerator="cpu", devices=devices)
+    engine = sg.Engine(strategy=strategy, accelerator="cpu", devices=devices, timeout=90)
     model = w.make_model(seed=5)
     model, opt = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=w.LR))
     rest = engine.load(path, {"model": model, "optimizer": opt})
