@@ -169,6 +169,21 @@ def test_hf_llama_splits_by_its_own_plan(run2: dict) -> None:
     _matches(result, expected, LLAMA_TOL)
 
 
+def test_the_demo_under_pp_fsdp_on_four_processes(run4: dict) -> None:
+    # What `stratagem demo --strategy pp_fsdp --devices 4` runs: the demo's plan puts the embeddings and the
+    # first block on stage 0 (ranks 0 and 1, sharded between them), the rest on stage 1 (ranks 2 and 3).
+    report = _ok(run4, "demo_pp_fsdp")
+    assert report["mesh"] == {"shape": (2, 2), "names": ("pp", "dp")}
+    assert report["modules"] == [["tok", "pos", "blocks.0"]] * 2 + [["blocks.1", "ln", "head"]] * 2
+    losses = report["losses"]
+    assert len(losses) == report["steps"] == 6 and losses[-1] < losses[0] - 0.5, losses
+    assert len(report["ranks"]) == 4
+    shares = [rank["parameters"] / report["replica"]["parameters"] for rank in report["ranks"]]
+    # Half a stage each: well under half a replica per rank, one replica over the four (FSDP2's padding aside).
+    assert all(0.05 < share < 0.45 for share in shares), shares
+    assert sum(shares) == pytest.approx(1.0, abs=0.02), shares
+
+
 # -------------------------------------------------------------------------------------------------
 # checkpoints
 # -------------------------------------------------------------------------------------------------

@@ -139,7 +139,11 @@ class CharLM(sg.Module):
         # Flattened before the head, so the result is not a view: FSDP warns about returning one, since an
         # in-place op on it would skip its pre-backward hook. A tensor-parallel head hands back a view of its
         # gathered output all the same; that one is copied (the logits of one batch: a few hundred KB).
-        logits = self.head(self.ln(x).flatten(0, 1))
+        x = self.ln(x)
+        if not self.head:
+            # An earlier pipeline stage: its hidden states go on to the next stage unflattened.
+            return x
+        logits = self.head(x.flatten(0, 1))
         return logits if logits._base is None else logits.clone()
 
     def compute_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
