@@ -41,8 +41,10 @@ class Pipeline:
         group: Any,
         device: torch.device,
         stage_ranks: dict[int, int],
+        replica_group: Any = None,
     ) -> None:
         self.split, self.schedule_name, self.local = split, schedule, local
+        self.replica_group = replica_group
         self.microbatches, self.group, self.device = microbatches, group, device
         num_stages = split.num_stages
         stage_class = _stage_class()
@@ -126,6 +128,11 @@ class Pipeline:
         if self.has_last:
             value = torch.stack([loss.detach() for loss in losses]).double().mean() / scale
         dist.broadcast(value, src=self.last_rank, group=self.group)
+        if self.replica_group is not None:
+            # Each data-parallel replica ran its share of the batch: the batch's loss is their mean, the same on
+            # every rank.
+            dist.all_reduce(value, group=self.replica_group)
+            value /= dist.get_world_size(self.replica_group)
         return value
 
     def clear(self) -> None:

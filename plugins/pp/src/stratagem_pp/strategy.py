@@ -186,6 +186,7 @@ class PPStrategy(TorchDistributedStrategy):
             group=self.device_mesh.get_group("pp"),
             device=self.device,
             stage_ranks=_schedules.stage_ranks(schedule, sizes.pp, spr),
+            replica_group=self.device_mesh.get_group("dp") if self.dims >= 2 and sizes.dp > 1 else None,
         )
         self.applied.update(holder=holder, views=views)
         holder.register_forward_pre_hook(_refuse_whole_model_call)
