@@ -107,6 +107,8 @@ def batches(engine: Any) -> list[Any]:
         m.dataset(engine.world_size), batch_size=m.PER_RANK_BATCH, shuffle=False
     )
     loader = engine.setup_dataloaders(loader)
+    # As the Trainer does before the first batch: a strategy that runs the step may refuse the batch size.
+    engine.check_batch_size(m.PER_RANK_BATCH)
     # The data-parallel size the strategy chose (fewer than the ranks under tensor parallelism): the reference
     # trains on that many ranks' samples per step.
     _live["replicas"] = getattr(loader.sampler, "num_replicas", 1)
