@@ -70,7 +70,14 @@ def test_certified(name: str, tmp_path: Path) -> None:
 #: stratagem-pp's strategies, and ``pp`` with each schedule torch offers, certified together: the names of
 #: one world size share their two launches (``--share-launches``), so that the seven configurations of
 #: ``pp`` cost two launches rather than fourteen.
-PIPELINE_SCHEDULES = ("gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv_zero_bubble", "dual_pipe_v")
+PIPELINE_SCHEDULES = (
+    "gpipe",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "zero_bubble",
+    "zbv_zero_bubble",
+    "dual_pipe_v",
+)
 PIPELINES = ["pp", *(f"pp[schedule={s}]" for s in PIPELINE_SCHEDULES), "pp_fsdp"]
 
 
@@ -87,8 +94,15 @@ def test_pipelines_certified(tmp_path: Path) -> None:
     assert {"1f1b", *PIPELINE_SCHEDULES} == set(SCHEDULES)
     junit = tmp_path / "report.xml"
     completed = subprocess.run(
-        [sys.executable, "-m", "stratagem", "contract", *PIPELINES, "--share-launches"]
-        + [f"--pytest-args=--junitxml={junit}"],
+        [
+            sys.executable,
+            "-m",
+            "stratagem",
+            "contract",
+            *PIPELINES,
+            "--share-launches",
+            f"--pytest-args=--junitxml={junit}",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
