@@ -27,6 +27,8 @@ FAMILIES = {
     "torch": ("stratagem-ddp", "stratagem-fsdp", "stratagem-tp"),
     # A family of its own: DeepSpeed patches torch in the processes it runs in.
     "deepspeed": ("stratagem-deepspeed",),
+    # The strategies that run the step themselves.
+    "pipelines": ("stratagem-pp",),
 }
 #: Names registered twice for one configuration: ``deepspeed`` is stage 2 with no other option. The alias is
 #: certified through the name it equals (checked below), not a second time.
@@ -34,9 +36,23 @@ ALIASES = {"deepspeed": "deepspeed_stage_2"}
 #: Configurations certified besides the names' defaults: fsdp_tp's default on one node of 4 is a 1 x 4 mesh
 #: (tensor parallel over every rank), so the 2 x 2 mesh is certified as a variant.
 VARIANTS = {"torch": ["fsdp_tp[tensor_parallel_size=2]"]}
+#: ``pp`` with every schedule torch offers besides its default (1f1b); the seven share their launches.
+PIPELINE_SCHEDULES = (
+    "gpipe",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "zero_bubble",
+    "zbv_zero_bubble",
+    "dual_pipe_v",
+)
+#: The pipeline family as listed: ``pp`` with each schedule, and the 2-D and 3-D meshes.
+EXPLICIT = {"pipelines": ["pp", *(f"pp[schedule={s}]" for s in PIPELINE_SCHEDULES), "pp_fsdp", "pp_fsdp_tp"]}
 
 
 def _family_names(family: str) -> list[str]:
+    if family in EXPLICIT:
+        installed = any(info.plugin.distribution in FAMILIES[family] for info in get_registry())
+        return EXPLICIT[family] if installed else []
     names = sorted(
         info.name
         for info in get_registry()
@@ -52,6 +68,12 @@ def test_every_repository_package_registered_strategies() -> None:
     packages = {p for family in FAMILIES.values() for p in family}
     found = {info.plugin.distribution for info in get_registry() if info.plugin.distribution in packages}
     assert found == packages, f"installed repository packages with strategies: {sorted(found)}"
+
+
+def test_every_pipeline_schedule_is_certified() -> None:
+    from stratagem_pp import SCHEDULES
+
+    assert {"1f1b", *PIPELINE_SCHEDULES} == set(SCHEDULES)
 
 
 def test_an_alias_is_the_configuration_it_is_certified_through() -> None:

@@ -66,7 +66,7 @@ PLUGIN_LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("_plugin",),
         ("_schedules", "_split"),
         ("_config", "_stage"),
-        ("_materialize", "_parallelize", "_runtime"),
+        ("_materialize", "_parallelize", "_runtime", "_state"),
         ("strategy",),
         ("",),
     ],

@@ -77,7 +77,7 @@ def test_demo_two_processes_ddp(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------------------------------
 
 #: The repository's plugin packages; a strategy of theirs must say below what it promises.
-PACKAGES = ("stratagem-ddp", "stratagem-fsdp", "stratagem-deepspeed", "stratagem-tp")
+PACKAGES = ("stratagem-ddp", "stratagem-fsdp", "stratagem-deepspeed", "stratagem-tp", "stratagem-pp")
 DEVICES = 2
 STEPS = 6
 
@@ -121,10 +121,12 @@ PROMISES = {
     "deepspeed_stage_2_offload": _ZERO_1_2,
     "deepspeed_stage_3": _ZERO_3,
     "deepspeed_stage_3_offload": _ZERO_3,
+    # Each rank its stages: shares that add up to one replica (test_pipeline_ranks_hold_only_their_stages).
+    "pp": {"parameters": None, "gradients": None, "optimizer": None},
 }
 #: Strategies whose ranks all see the same samples (one data-parallel replica at 2 processes): they train as
 #: one process on the same batches. The others split the data like ddp and train as ddp does.
-ONE_REPLICA = {"tp", "fsdp_tp"}
+ONE_REPLICA = {"tp", "fsdp_tp", "pp"}
 
 
 def _in_range(kind: str, share: float) -> bool:
@@ -215,3 +217,19 @@ def test_tensor_parallel_meshes(demos: dict) -> None:
     # fsdp_tp on one node of 2: FSDP over a dimension of 1 and tensor parallel over 2, as hsdp makes 1 x 2.
     assert _ok(demos, "fsdp_tp")["mesh"] == {"shape": (1, 2), "names": ("dp", "tp")}
     assert _ok(demos, "ddp")["mesh"] is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_pipeline_ranks_hold_only_their_stages(demos: dict) -> None:
+    if "pp" not in OFFERED:
+        pytest.skip("needs stratagem-pp installed")
+    report = _ok(demos, "pp")
+    assert report["mesh"] == {"shape": (2,), "names": ("pp",)}
+    # The model's plan: the embeddings and the first block on rank 0, the rest on rank 1; nothing twice.
+    assert report["modules"] == [["tok", "pos", "blocks.0"], ["blocks.1", "ln", "head"]]
+    for part in ("parameters", "gradients", "optimizer"):
+        shares = [rank[part] / report["replica"][part] for rank in report["ranks"]]
+        assert all(0.1 < share < 0.9 for share in shares), (part, shares)
+        # AdamW's step counters are one per tensor in either case: the split adds up to one replica.
+        assert sum(shares) == pytest.approx(1.0, abs=1e-9), (part, shares)

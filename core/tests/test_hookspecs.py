@@ -37,6 +37,8 @@ DESIGN_TABLE = {
     "barrier",
     "teardown",
 }
+#: A strategy that runs the step itself (issue 28: pipelines); the base class returns None.
+STEP_TABLE = {"check_batch_size", "run_training_batch", "run_evaluation_batch"}
 #: The launcher plugins' hooks (DESIGN: "where it grows next").
 LAUNCHER_TABLE = {"register_launchers", "launch_workers"}
 #: Callbacks and loggers: their discovery hooks and the Trainer's events (issue 18).
@@ -44,7 +46,7 @@ CALLBACK_TABLE = {"register_callbacks", "register_loggers", *hookspecs.TRAINER_E
 
 
 def test_every_design_hook_exists():
-    assert set(HOOKS) == DESIGN_TABLE | LAUNCHER_TABLE | CALLBACK_TABLE
+    assert set(HOOKS) == DESIGN_TABLE | STEP_TABLE | LAUNCHER_TABLE | CALLBACK_TABLE
 
 
 def test_trainer_events_are_broadcast_hooks_and_no_strategy_operation():

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from stratagem.launchers._job import LaunchJob
     from stratagem.launchers.cluster import ClusterEnvironment
     from stratagem.strategies.compiling import Compiler
+    from stratagem.strategies.step import StepOutput
 
 PROJECT_NAME = "stratagem"
 
@@ -176,6 +177,76 @@ def no_sync(model: torch.nn.Module) -> ContextManager[None]:
     Stops at the first non-``None`` result.
 
     :param model: the wrapped model.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# step: a strategy that runs forward and backward itself (a pipeline); the others return None
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def check_batch_size(batch_size: int) -> None:
+    """Refuse a per-process batch size this strategy cannot run (raise ``ConfigurationError`` saying what fits).
+
+    Stops at the first non-``None`` result. The Trainer calls it on every rank once the model is set up,
+    before the first batch, with the train loader's per-process batch size (when it has a fixed one).
+
+    :param batch_size: samples per process in one batch.
+    """
+
+
+@hookspec(firstresult=True)
+def run_training_batch(
+    model: torch.nn.Module,
+    batch: Any,
+    batch_idx: int,
+    split_batch: Callable[[Any], tuple[tuple[Any, ...], Any]],
+    compute_loss: Callable[[Any, Any], torch.Tensor],
+    loss_scale: float,
+) -> StepOutput | None:
+    """Run forward and backward of one batch, or return ``None`` to let the loop do it its ordinary way.
+
+    Stops at the first non-``None`` result. A strategy that owns the step (a pipeline, where forward and
+    backward of the micro-batches interleave inside a schedule) returns a :class:`StepOutput` whose ``loss``
+    is the batch's mean loss, detached and unscaled, the same on every rank that ran the batch. It leaves the
+    gradients of ``loss_scale`` times that loss added to the parameters' ``.grad``. On ``None`` (the base
+    class) the Trainer runs ``forward_context``, ``training_step`` and ``backward``, and ``Engine.train_batch``
+    runs ``forward_context``, the model, the loss function and ``backward``.
+
+    :param model: the module :func:`wrap_model` returned.
+    :param batch: the batch, on the device.
+    :param batch_idx: its index in the epoch.
+    :param split_batch: ``split_batch(batch)`` -> ``(inputs, targets)``: ``inputs`` the model's positional
+        arguments (their first dimension the batch), ``targets`` what ``compute_loss`` compares outputs with.
+    :param compute_loss: ``compute_loss(outputs, targets)`` -> the mean loss of a batch (or micro-batch), a
+        scalar tensor.
+    :param loss_scale: the factor of the loss whose gradients backward computes (``1 / accumulate_grad_batches``).
+    """
+
+
+@hookspec(firstresult=True)
+def run_evaluation_batch(
+    model: torch.nn.Module,
+    batch: Any,
+    batch_idx: int,
+    split_batch: Callable[[Any], tuple[tuple[Any, ...], Any]],
+    compute_loss: Callable[[Any, Any], torch.Tensor] | None,
+    stage: str,
+) -> StepOutput | None:
+    """Run forward only on one batch, or return ``None`` to let the loop call its ``*_step`` method.
+
+    Stops at the first non-``None`` result. Runs under ``torch.no_grad()`` with the model in eval mode. A
+    strategy that owns the step returns a :class:`StepOutput`: ``loss`` as for :func:`run_training_batch`
+    (``None`` without ``compute_loss`` or targets), ``outputs`` the model's outputs on the ranks that hold
+    them (the last stage's) and ``None`` elsewhere.
+
+    :param model: the module :func:`wrap_model` returned.
+    :param batch: the batch, on the device.
+    :param batch_idx: its index in the loader.
+    :param split_batch: as for :func:`run_training_batch`.
+    :param compute_loss: as for :func:`run_training_batch`, or ``None`` when no loss is wanted.
+    :param stage: ``"validation"``, ``"test"`` or ``"predict"``.
     """
 
 
@@ -375,7 +446,7 @@ def on_train_epoch_start(trainer: Any, epoch: int) -> None:
 
 @hookspec
 def on_train_batch_start(trainer: Any, batch: Any, batch_idx: int) -> None:
-    """A batch is about to go through ``training_step`` (every batch, also those of an accumulation).
+    """A batch is about to be trained on (every batch, also those of an accumulation).
 
     Every implementation runs, on every rank.
 
@@ -405,7 +476,8 @@ def on_train_batch_end(trainer: Any, outputs: Any, batch: Any, batch_idx: int, s
     step's metrics when it is a logging step.
 
     :param trainer: the Trainer.
-    :param outputs: what ``training_step`` returned (the loss, or a dict with ``"loss"``).
+    :param outputs: what ``training_step`` returned (the loss, or a dict with ``"loss"``); under a strategy
+        that runs the step itself (:func:`run_training_batch`), the batch's loss.
     :param batch: the batch.
     :param batch_idx: its index in the epoch.
     :param step: optimizer steps taken, including this batch's if it completed an accumulation.

@@ -1,13 +1,11 @@
-"""Worker functions for the pipeline tests: module-level, so that spawned workers can import them.
+"""The models, data and one-process references of the pipeline tests, and what the workers report (module-level,
+so that spawned workers import it; ``pp_runs`` holds the runs and launches).
 
-Each launch runs in every process of a real gloo group and batches many checks; it returns plain data from
-rank 0. The driver is the raw pipeline step (``strategy.train_step``), AdamW and the strategy's clipping; the
-references are plain torch in one process on the global batch, computed in the pytest process.
+The references are plain torch in one process on the global batch, computed in the pytest process.
 """
 
 from __future__ import annotations
 
-import os
 import traceback
 from typing import Any
 
@@ -90,7 +88,21 @@ class TinyLM(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-def make_model(seed: int = 0) -> TinyLM:
+class LM(TinyLM, sg.Module):
+    """TinyLM as a Trainer trains it: the loss and the optimizer, no training step (a pipeline runs the step)."""
+
+    def compute_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits, targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+def make_module(seed: int = 0) -> LM:
+    return make_model(seed, LM)  # type: ignore[return-value]
+
+
+def make_model(seed: int = 0, cls: type = TinyLM) -> TinyLM:
     """In float64: microbatches sum the loss in another order than one batch does, and AdamW turns float32
     rounding of a near-zero gradient into a step of up to the learning rate; float64 keeps that far below the
     tolerance, while a wrong gradient (scaling, a missed micro-batch) is still far above it. Built with float64
@@ -99,7 +111,7 @@ def make_model(seed: int = 0) -> TinyLM:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        return TinyLM()
+        return cls()
     finally:
         torch.set_default_dtype(previous)
 
@@ -108,6 +120,16 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(VOCAB, (STEPS, GLOBAL_BATCH, SEQUENCE), generator=g)
     return [(t, (t * 3 + 1) % VOCAB) for t in tokens]
+
+
+def loader(data: list | None = None, per_process: int = GLOBAL_BATCH) -> torch.utils.data.DataLoader:
+    """The steps' batches as a loader (no shuffling: with a sampler over dp replicas, step s still takes the
+    global batch s, which the reference trains on)."""
+    data = data if data is not None else batches()
+    inputs, targets = torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(inputs, targets), batch_size=per_process
+    )
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -157,97 +179,38 @@ def gathered_params(holder: torch.nn.Module) -> dict[str, torch.Tensor]:
     return merged
 
 
+def gathered_optimizer(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's per-parameter state keyed by name, whole, merged over every rank's parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    mine = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))["state"]
+    mine = {clean(k): {n: v.detach().cpu().clone() for n, v in s.items()} for k, s in mine.items()}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    merged: dict[str, Any] = {}
+    for part in every:
+        merged.update(part)
+    return merged
+
+
+def bit_equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The keys whose values differ in any bit (nested dicts of tensors), and keys only one side has."""
+    problems = sorted(set(a) ^ set(b))
+    for key in set(a) & set(b):
+        x, y = a[key], b[key]
+        if isinstance(x, dict):
+            problems += [f"{key}.{k}" for k in bit_equal(x, y)]
+        elif not (torch.equal(x, y) and x.dtype == y.dtype):
+            problems.append(key)
+    return problems
+
+
 def local_shapes(holder: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     return {
         clean(n): (tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape), tuple(p.shape))
         for n, p in holder.named_parameters()
     }
-
-
-def train(
-    strategy: Any,
-    devices: int,
-    *,
-    model_fn: Any = make_model,
-    data: list | None = None,
-    loss=loss_fn,
-    empty_init: bool = False,
-    die_at: tuple[int, int] | None = None,
-) -> dict[str, Any]:
-    """Train through the raw pipeline step; ``die_at=(rank, step)`` makes that rank exit mid-schedule."""
-    engine = sg.Engine(strategy=strategy, accelerator="cpu", devices=devices)
-    if empty_init:
-        torch.manual_seed(0)
-        with engine.init_module(empty_init=True):
-            model = model_fn()
-    else:
-        model = model_fn()
-    holder = engine.setup_module(model)
-    opt = torch.optim.AdamW(holder.parameters(), lr=LR)
-    s = engine.strategy
-    dp = s.sizes.dp
-    dp_rank = engine.strategy.distributed_sampler_kwargs()["rank"]
-    norms, losses = [], []
-    for step, (inputs, targets) in enumerate(data if data is not None else batches()):
-        per = inputs.shape[0] // dp
-        mine = slice(dp_rank * per, (dp_rank + 1) * per)
-        if die_at is not None and step == die_at[1] and engine.rank == die_at[0]:
-            _die_in_the_middle(s)
-        result = s.train_step((inputs[mine],), targets[mine], loss)
-        norms.append(float(engine.clip_gradients(holder, opt, MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(engine.all_reduce(result.loss, "mean")))
-    first_inputs, first_targets = (data if data is not None else batches())[0]
-    per = first_inputs.shape[0] // dp
-    mine = slice(dp_rank * per, (dp_rank + 1) * per)
-    evaluated = s.eval_step((first_inputs[mine],), first_targets[mine], loss)
-    out = {
-        "params": gathered_params(holder),
-        "norms": norms,
-        "losses": losses,
-        "eval_loss": float(engine.all_reduce(evaluated.loss, "mean")),
-        "local_shapes": local_shapes(holder),
-        "stages": [list(stage) for stage in s.applied["split"].stages],
-        "source": s.applied["split"].source,
-        "local_stages": s.applied["local_stages"],
-        "units": s.applied["units"],
-        "tp_styles": s.applied["tp_styles"],
-        "mesh": (tuple(s.device_mesh.shape), tuple(s.device_mesh.mesh_dim_names)),
-        "sampler": s.distributed_sampler_kwargs(),
-        "microbatches": s.microbatches,
-        "checkpointed": s.applied["checkpointed"],
-    }
-    engine.teardown()
-    return out
-
-
-def _die_in_the_middle(strategy: Any) -> None:
-    """The second micro-batch's forward on this rank's first stage ends the process, as a crash would."""
-    view = strategy.applied["views"][0]
-    seen = []
-
-    def hook(module: Any, args: Any) -> None:
-        seen.append(1)
-        if len(seen) == 2:
-            os._exit(7)
-
-    view.register_forward_pre_hook(hook)
-
-
-def guard(out: dict[str, Any], key: str, function: Any) -> None:
-    try:
-        out[key] = function()
-    except Exception:
-        out.setdefault("errors", {})[key] = traceback.format_exc()
-
-
-def error_of(function: Any) -> str | None:
-    try:
-        function()
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return None
 
 
 # -------------------------------------------------------------------------------------------------
@@ -283,14 +246,28 @@ def llama_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def make_llama_module(seed: int = 0) -> Any:
+    """The same Llama as a stratagem Module: Hugging Face's model class with the loss and the optimizer."""
+    from transformers import LlamaForCausalLM
+
+    class LlamaLM(LlamaForCausalLM, sg.Module):
+        def compute_loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+            return llama_loss(outputs, targets)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    plain = make_llama(seed)
+    torch.manual_seed(seed)
+    module = LlamaLM(plain.config)
+    module.load_state_dict(plain.state_dict())
+    return module
+
+
 def llama_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     logits = outputs.logits if hasattr(outputs, "logits") else outputs
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
-
-# -------------------------------------------------------------------------------------------------
-# launches
-# -------------------------------------------------------------------------------------------------
 
 #: (name, stages_per_rank) at two processes: one stage per rank for gpipe and 1f1b, two for the others.
 TWO_PROCESS_SCHEDULES = (
@@ -305,68 +282,9 @@ TWO_PROCESS_SCHEDULES = (
 )
 
 
-def two_process_checks(engine: sg.Engine) -> dict[str, Any]:
-    from stratagem_pp import PPStrategy
-
-    out: dict[str, Any] = {"registered": engine.strategy.registered_name, "world": engine.world_size}
-    for schedule, spr in TWO_PROCESS_SCHEDULES:
-        key = f"{schedule}/{spr}"
-        guard(out, key, lambda s=schedule, r=spr: train(PPStrategy(schedule=s, stages_per_rank=r), 2))
-    guard(out, "meta_init", lambda: train(PPStrategy(), 2, empty_init=True))
-    guard(
-        out, "llama", lambda: train(PPStrategy(), 2, model_fn=make_llama, data=llama_data(), loss=llama_loss)
-    )
-
-    def bad_batch() -> str | None:
-        e = sg.Engine(strategy=PPStrategy(microbatches=3), accelerator="cpu", devices=2)
-        e.setup_module(make_model())
-        inputs, targets = batches()[0]
-        holder = e.strategy.applied["holder"]
-        messages = {
-            "batch": error_of(lambda: e.strategy.train_step((inputs,), targets, loss_fn)),
-            "call": error_of(lambda: holder(inputs)),
-            "backward": error_of(lambda: e.backward(torch.zeros((), requires_grad=True), holder)),
-        }
-        e.teardown()
-        return messages
-
-    guard(out, "bad_batch", bad_batch)
-    out["too_many_stages"] = error_of(
-        lambda: sg.Engine(
-            strategy=PPStrategy(schedule="interleaved_1f1b", stages_per_rank=8), accelerator="cpu", devices=2
-        ).setup_module(make_model())
-    )
-    return out if engine.rank == 0 else {}
-
-
-def four_process_checks(engine: sg.Engine) -> dict[str, Any]:
-    from stratagem_pp import PPFSDPStrategy, PPFSDPTPStrategy, PPStrategy
-
-    out: dict[str, Any] = {"registered": engine.strategy.registered_name, "world": engine.world_size}
-    guard(out, "pp4/1f1b", lambda: train(PPStrategy(schedule="1f1b"), 4))
-    guard(out, "pp4/interleaved_1f1b", lambda: train(PPStrategy(schedule="interleaved_1f1b"), 4))
-    guard(out, "pp_fsdp", lambda: train(PPFSDPStrategy(pipeline_parallel_size=2), 4))
-    guard(out, "pp_fsdp_meta", lambda: train(PPFSDPStrategy(pipeline_parallel_size=2), 4, empty_init=True))
-    guard(
-        out,
-        "pp_fsdp_checkpointing",
-        lambda: train(PPFSDPStrategy(schedule="zero_bubble", activation_checkpointing_policy={Block}), 4),
-    )
-    guard(out, "pp_fsdp_resharding", lambda: train(PPFSDPStrategy(reshard_after_forward=True), 4))
-    guard(
-        out,
-        "pp_fsdp_tp",
-        lambda: train(PPFSDPTPStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, tp_plan=TP_PLAN), 4),
-    )
-    out["bad_size"] = error_of(
-        lambda: sg.Engine(
-            strategy=PPFSDPStrategy(pipeline_parallel_size=3), accelerator="cpu", devices=4
-        ).setup_environment()
-    )
-    return out if engine.rank == 0 else {}
-
-
-def dying_rank(engine: sg.Engine) -> dict[str, Any]:
-    from stratagem_pp import PPStrategy
-
-    return train(PPStrategy(schedule="1f1b"), 2, die_at=(1, 3))
+def guard(out: dict[str, Any], key: str, function: Any) -> None:
+    """Record ``function()`` under ``key``, or its traceback under ``errors``: one failure fails one check."""
+    try:
+        out[key] = function()
+    except Exception:
+        out.setdefault("errors", {})[key] = traceback.format_exc()

@@ -58,12 +58,25 @@ def load(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -
 
 
 def _expected_shapes(strategy: Any, module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The keys and shapes the model has on any rank: a rank may hold only some of them (a pipeline stage
+    holds its own layers), and a key is missing or unexpected only if no rank has it."""
     # A DTensor's shape is the global one, so the sharded state dict gives full shapes without gathering.
-    return {
+    mine = {
         k: tuple(v.shape)
         for k, v in strategy.module_state_dict(module, full=False).items()
         if hasattr(v, "shape")
     }
+    if not _distributed() or strategy.world_size == 1:
+        return mine
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    union: dict[str, tuple[int, ...]] = {}
+    for shapes in every:
+        for key, shape in shapes.items():
+            union.setdefault(key, shape)
+    return union
 
 
 def _reconcile(

@@ -22,6 +22,7 @@ def pytest_command(
     callbacks: Sequence[str] = (),
     loggers: Sequence[str] = (),
     report: str | None = None,
+    share_launches: bool = False,
 ) -> list[str]:
     """The pytest command line that runs the contract suite on the given strategies and other plugins."""
     command = [
@@ -44,6 +45,8 @@ def pytest_command(
             command += [option, name]
     if report:
         command += ["--stratagem-report", str(Path(report).absolute())]
+    if share_launches:
+        command.append("--stratagem-share-launches")
     return [*command, *extra]
 
 
@@ -79,6 +82,12 @@ def _add_parser(sub: argparse._SubParsersAction) -> None:
         "declarations, its suite version, and what is installed",
     )
     p.add_argument(
+        "--share-launches",
+        action="store_true",
+        help="certify the strategies of one world size in the same two launches (faster; a worker that "
+        "crashes fails all of them)",
+    )
+    p.add_argument(
         "--pytest-args",
         default="",
         metavar="ARGS",
@@ -107,6 +116,7 @@ def _contract(args: argparse.Namespace) -> int:
         callbacks=args.callback,
         loggers=args.logger,
         report=args.report,
+        share_launches=args.share_launches,
     )
     # A subprocess: the suite launches workers and imports the plugins; this process stays clean.
     status = subprocess.call(command)

@@ -50,6 +50,16 @@ class ContractModel(nn.Module):
     #: do not split layers never look at it.
     tp_plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
+    def pp_plan(self, num_stages: int) -> list[Any]:
+        """Where a pipeline splits it, for the stage counts the suite runs (the form strategies that split a
+        model into stages read from a model's ``pp_plan``: the module names each stage holds, or where each
+        begins). Strategies that do not split never call it."""
+        if num_stages == 2:
+            return ["blocks.1"]
+        if num_stages == 4:
+            return [["embedding"], ["blocks.0"], ["blocks.1"], ["norm", "head"]]
+        raise ValueError(f"the contract model splits into 2 or 4 pipeline stages, not {num_stages}")
+
     def __init__(self) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, WIDTH)
@@ -68,6 +78,11 @@ class StepModule(ContractModel, stratagem.Module):
     """The same model trained by the Trainer, written as most users write one: the step calls the submodules
     directly, so a strategy that shards in place must still gather the root's own parameters (the embedding,
     the final norm, the head) around it."""
+
+    def compute_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss alone, for strategies that run the step themselves (a pipeline calls it on its last stage
+        and never calls training_step)."""
+        return loss_fn(logits, targets)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
@@ -134,10 +149,14 @@ def reference_run(world_size: int, replicas: int | None = None) -> dict[str, Any
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     data = dataset(world_size)
     size = step_batch(world_size if replicas is None else replicas)
-    losses, norms, at_save = [], [], None
+    losses, norms, at_save, evaluated = [], [], None, None
     for step in range(STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE):
         if step == STEPS_BEFORE_SAVE:
             at_save = plain_state(model.state_dict())
+            # The first batch of every replica, forward only (what each rank evaluates before saving).
+            tokens, targets = data[: PER_RANK_BATCH * (world_size if replicas is None else replicas)]
+            with torch.no_grad():
+                evaluated = float(loss_fn(model(tokens), targets))
         tokens, targets = data[step * size : (step + 1) * size]
         loss = loss_fn(model(tokens), targets)
         loss.backward()
@@ -149,5 +168,6 @@ def reference_run(world_size: int, replicas: int | None = None) -> dict[str, Any
         "losses": losses,
         "norms": norms,
         "params_at_save": at_save,
+        "eval_loss": evaluated,
         "params_final": plain_state(model.state_dict()),
     }

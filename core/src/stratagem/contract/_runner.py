@@ -133,6 +133,7 @@ class ContractRun:
 
 def _spec(subject: Subject, workdir: Path, phase: int, single_device: str) -> dict[str, Any]:
     return {
+        "name": subject.name,
         "strategy": subject.registered,
         "options": subject.options,
         "world_size": subject.world_size,
@@ -147,31 +148,43 @@ def _spec(subject: Subject, workdir: Path, phase: int, single_device: str) -> di
     }
 
 
-def _launch(run: ContractRun, phase: int, spec: dict[str, Any]) -> dict[int, dict[str, Any]]:
+def _launch(runs: list[ContractRun], phase: int, specs: list[dict[str, Any]]) -> None:
+    """One launch running every spec's phase in turn in each worker; each run gets its own results."""
     from stratagem.contract._processes import child_processes, port_in_use
-    from stratagem.contract._workers import run_phase
+    from stratagem.contract._workers import run_phases
     from stratagem.errors import WorkerFailedError
     from stratagem.launchers import _spawn as launcher
 
     before = child_processes(os.getpid())
     start = time.perf_counter()
     results: dict[int, dict[str, Any]] = {}
+    error = None
     try:
         results = launcher.launch_function(
-            run_phase,
-            (spec,),
-            nproc_per_node=spec["world_size"],
+            run_phases,
+            (specs,),
+            nproc_per_node=specs[0]["world_size"],
             accelerator="cpu",
             env={"OMP_NUM_THREADS": "1"},
         )
-    except WorkerFailedError as error:
-        run.launch_errors[phase] = str(error)
-    run.seconds[phase] = time.perf_counter() - start
+    except WorkerFailedError as failure:
+        error = str(failure)
+    seconds = time.perf_counter() - start
     after = child_processes(os.getpid())
-    run.children_left[phase] = None if after is None else sorted(set(after) - set(before or []))
-    ports = {r["teardown"]["master_port"] for r in results.values() if "teardown" in r}
-    run.ports_in_use[phase] = sorted(p for p in ports if port_in_use(p))
-    return results
+    left = None if after is None else sorted(set(after) - set(before or []))
+    ports = {
+        r["teardown"]["master_port"] for per in results.values() for r in per.values() if "teardown" in r
+    }
+    busy = sorted(p for p in ports if port_in_use(p))
+    for run in runs:
+        if error is not None:
+            run.launch_errors[phase] = error
+        mine = {rank: per[run.subject.name] for rank, per in results.items() if run.subject.name in per}
+        if phase == 1:
+            run.phase1 = mine
+        else:
+            run.phase2 = mine
+        run.seconds[phase], run.children_left[phase], run.ports_in_use[phase] = seconds, left, busy
 
 
 def write_single_device_checkpoint(path: Path) -> dict[str, Any]:
@@ -197,16 +210,38 @@ def write_single_device_checkpoint(path: Path) -> dict[str, Any]:
 
 def run(subject: Subject, workdir: Path) -> ContractRun:
     """Both launches for ``subject``, plus the one-process reference and the single_device checkpoint."""
+    return run_together([subject], workdir)[subject.name]
+
+
+def run_together(subjects: list[Subject], workdir: Path) -> dict[str, ContractRun]:
+    """Both launches for several subjects of one world size: each worker runs every subject's phase in turn
+    (a fresh Engine and process group each), which saves the launches' start-up. A worker that crashes fails
+    the launch for all of them; a section that raises fails that subject's checks only."""
+    import re
+
     from stratagem.contract import _model as m
 
-    result = ContractRun(subject=subject, workdir=workdir)
+    sizes = {s.world_size for s in subjects}
+    if len(sizes) != 1:
+        raise ValueError(f"subjects certified together must share one world size, got {sorted(sizes)}")
+    runs = []
+    for subject in subjects:
+        label = re.sub(r"[^\w.-]+", "_", subject.name)
+        directory = workdir / label if len(subjects) > 1 else workdir
+        directory.mkdir(parents=True, exist_ok=True)
+        runs.append(ContractRun(subject=subject, workdir=directory))
     single_device = workdir / "single_device.pt"
-    if subject.no_training is None:
-        result.single_device_payload = write_single_device_checkpoint(single_device)
-    result.phase1 = _launch(result, 1, _spec(subject, workdir, 1, str(single_device)))
-    if subject.no_training is None:
-        # After the launch: the samples per step follow the data-parallel size the strategy reported.
-        straight = result.phase1.get(0, {}).get("straight") or {}
-        result.reference = m.reference_run(subject.world_size, straight.get("replicas"))
-    result.phase2 = _launch(result, 2, _spec(subject, workdir, 2, str(single_device)))
-    return result
+    payload: dict[str, Any] = {}
+    if any(s.no_training is None for s in subjects):
+        payload = write_single_device_checkpoint(single_device)
+    for run_ in runs:
+        run_.single_device_payload = payload if run_.subject.no_training is None else {}
+    for phase in (1, 2):
+        _launch(runs, phase, [_spec(r.subject, r.workdir, phase, str(single_device)) for r in runs])
+        if phase == 1:
+            for run_ in runs:
+                if run_.subject.no_training is None:
+                    # After the launch: the samples per step follow the data-parallel size the strategy reported.
+                    straight = run_.phase1.get(0, {}).get("straight") or {}
+                    run_.reference = m.reference_run(run_.subject.world_size, straight.get("replicas"))
+    return {r.subject.name: r for r in runs}

@@ -53,19 +53,32 @@ def _clean_optimizer(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def observed_params(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The parameters as ``named_parameters()`` shows them, gathered whole (a ``DTensor``'s full tensor).
+    """The parameters as ``named_parameters()`` shows them, gathered whole (a ``DTensor``'s full tensor), over
+    every rank (a pipeline rank shows its stages' only; where ranks show the same names, rank 0's values).
 
-    Collective for sharded parameters: every rank calls it. ``None`` when the module does not show its
-    parameters (a strategy that partitions them in place, as ZeRO-3 does); the checks then read them from a
-    full checkpoint the strategy writes.
+    A collective: every rank calls it. ``None`` when the module does not show its parameters (a strategy that
+    partitions them in place, as ZeRO-3 does); the checks then read them from a full checkpoint the strategy
+    writes.
     """
-    out = {}
+    import torch.distributed as dist
+
+    out: dict[str, torch.Tensor] | None = {}
     for name, param in model.named_parameters():
         tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
         if tensor.numel() == 0:
-            return None
+            out = None
+            break
         out[_clean_name(name)] = tensor.detach().cpu().clone()
-    return out
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return out
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, out)
+    if any(part is None for part in every):
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in reversed(every):
+        merged.update(part)
+    return merged
 
 
 def saved_full(engine: Any, state: dict[str, Any], path: str) -> dict[str, Any] | None:
@@ -94,6 +107,8 @@ def batches(engine: Any) -> list[Any]:
         m.dataset(engine.world_size), batch_size=m.PER_RANK_BATCH, shuffle=False
     )
     loader = engine.setup_dataloaders(loader)
+    # As the Trainer does before the first batch: a strategy that runs the step may refuse the batch size.
+    engine.check_batch_size(m.PER_RANK_BATCH)
     # The data-parallel size the strategy chose (fewer than the ranks under tensor parallelism): the reference
     # trains on that many ranks' samples per step.
     _live["replicas"] = getattr(loader.sampler, "num_replicas", 1)
@@ -110,10 +125,9 @@ def train(
         total = torch.zeros(())
         for index, (tokens, targets) in enumerate(micro):
             with engine.no_sync(model, enabled=index < m.ACCUMULATE - 1):
-                with engine.forward_context():
-                    loss = m.loss_fn(model(tokens), targets) / m.ACCUMULATE
-                engine.backward(loss, model)
-            total += loss.detach().float()
+                # forward_context, the model, the loss and backward; or the strategy's own step (a pipeline).
+                result = engine.train_batch(model, tokens, targets, m.loss_fn, loss_scale=1 / m.ACCUMULATE)
+            total += result.loss.float() / m.ACCUMULATE
         norm = engine.clip_gradients(model, optimizer, m.MAX_NORM)
         optimizer.step()
         optimizer.zero_grad()
@@ -169,7 +183,15 @@ def straight_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
     data = batches(engine)
     _live.update(model=model, optimizer=optimizer, data=data)
     losses, norms = train(engine, model, optimizer, data, 0, m.STEPS_BEFORE_SAVE)
-    return {"losses": losses, "norms": norms, "params": observed_params(model), "replicas": _live["replicas"]}
+    tokens, targets = data[0]
+    evaluated = engine.eval_batch(model, tokens, targets, m.loss_fn)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": observed_params(model),
+        "replicas": _live["replicas"],
+        "eval_loss": float(engine.all_reduce(evaluated.loss.detach().float(), "mean")),
+    }
 
 
 def saving(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -398,3 +420,8 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     _section(result, "teardown", lambda: teardown(engine))
     result["calls"] = recorder.snapshot()
     return result
+
+
+def run_phases(specs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Run one phase for each spec in turn in this worker (strategies certified together); results by name."""
+    return {spec["name"]: run_phase(spec) for spec in specs}

@@ -19,8 +19,10 @@ LAUNCHER_OPTION = "--stratagem-launcher"
 CALLBACK_OPTION = "--stratagem-callback"
 LOGGER_OPTION = "--stratagem-logger"
 REPORT_OPTION = "--stratagem-report"
+SHARE_OPTION = "--stratagem-share-launches"
 _NAMES = pytest.StashKey[list]()
 _LAUNCHERS = pytest.StashKey[list]()
+_RUNS = pytest.StashKey[dict]()
 #: ``{"callback": [...], "logger": [...]}``: the callbacks and loggers asked for.
 _EVENT_PLUGINS = pytest.StashKey[dict]()
 
@@ -34,6 +36,13 @@ def pytest_addoption(parser: Any) -> None:
         metavar="NAME",
         help="certify this strategy with `pytest --pyargs stratagem.contract` (repeatable; 'all' for every one; "
         "NAME[key=value,...] certifies it created with those options)",
+    )
+    group.addoption(
+        SHARE_OPTION,
+        action="store_true",
+        default=False,
+        help="certify the strategies of one world size in the same two launches (each worker runs them in turn): "
+        "faster, but a worker that crashes fails all of them",
     )
     group.addoption(
         LAUNCHER_OPTION,
@@ -173,16 +182,30 @@ def contract_subject(stratagem_strategy: str) -> Any:
 
 
 @pytest.fixture(scope="session")
-def contract_run(contract_subject: Any, tmp_path_factory: Any) -> Any:
-    """Both worker launches for the strategy under test, run once and shared by every check."""
+def contract_run(contract_subject: Any, tmp_path_factory: Any, request: Any) -> Any:
+    """Both worker launches for the strategy under test, run once and shared by every check (and, with
+    ``--stratagem-share-launches``, by every strategy asked for at the same world size)."""
     if contract_subject.unavailable:
         pytest.skip(contract_subject.unavailable)
     import re
 
-    from stratagem.contract._runner import run
+    from stratagem.contract._runner import run, run_together, subject_for
 
-    label = re.sub(r"[^\w.-]+", "_", contract_subject.name)
-    return run(contract_subject, tmp_path_factory.mktemp(f"contract-{label}"))
+    config = request.config
+    if not config.getoption(SHARE_OPTION):
+        label = re.sub(r"[^\w.-]+", "_", contract_subject.name)
+        return run(contract_subject, tmp_path_factory.mktemp(f"contract-{label}"))
+    runs = config.stash.setdefault(_RUNS, {})
+    if contract_subject.name not in runs:
+        others = [subject_for(name) for name in config.stash[_NAMES] if name != contract_subject.name]
+        group = [contract_subject] + [
+            s
+            for s in others
+            if not s.unavailable and s.world_size == contract_subject.world_size and s.name not in runs
+        ]
+        directory = tmp_path_factory.mktemp(f"contract-shared-{contract_subject.world_size}")
+        runs.update(run_together(group, directory))
+    return runs[contract_subject.name]
 
 
 @pytest.fixture(scope="session")

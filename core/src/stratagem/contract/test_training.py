@@ -74,6 +74,21 @@ def test_gradient_norms_match_the_reference(contract_run: Any) -> None:
     )
 
 
+def test_evaluation_matches_the_reference(contract_run: Any) -> None:
+    """``Engine.eval_batch`` (forward only: the strategy's own, or the model's) after the first steps."""
+    _straight(contract_run)
+    evaluated = section(contract_run, 1, "straight")[0]["eval_loss"]
+    fail_on(
+        compare_series(
+            [contract_run.reference["eval_loss"]],
+            [evaluated],
+            f"loss of each replica's first batch after {m.STEPS_BEFORE_SAVE} steps, forward only",
+            contract_run.subject.tolerance,
+        ),
+        _what(contract_run),
+    )
+
+
 def test_parameters_match_the_reference(contract_run: Any) -> None:
     straight, tolerance = _straight(contract_run)
     reference = contract_run.reference

@@ -15,6 +15,7 @@ from stratagem.engine._compiling import Compiling
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
 from stratagem.engine._launching import Launching
 from stratagem.engine._optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer, _unwrap
+from stratagem.engine._steps import Steps
 from stratagem.engine.seed import seed_everything
 from stratagem.errors import ConfigurationError
 from stratagem.launchers import _spawn as agent
@@ -24,7 +25,7 @@ from stratagem.strategies.base import Strategy
 from stratagem.strategies.precision import normalize
 
 
-class Engine(Launching, Checkpoints, Compiling):
+class Engine(Launching, Checkpoints, Compiling, Steps):
     """Run a training loop under a strategy chosen by name.
 
     :param strategy: a registered name (``"ddp"``, ``"fsdp"``, ...), ``"auto"``, or a ``Strategy`` instance.
@@ -257,6 +258,13 @@ class Engine(Launching, Checkpoints, Compiling):
             if self._environment_ready
             else torch.device("cuda" if self.accelerator == "cuda" else "cpu")
         )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas the data is dealt among (the sampler's ``num_replicas``): the world size, or fewer where
+        ranks share their batches (tensor-parallel, pipeline)."""
+        self.setup_environment()
+        return int(self._hooks.distributed_sampler_kwargs()["num_replicas"])
 
     @property
     def device_mesh(self) -> Any:

@@ -59,16 +59,21 @@ def _clean_name(name: str) -> str:
 
 
 def _rebind_optimizer(optimizer: Any, names: dict[int, str], model: torch.nn.Module) -> None:
-    """Point an optimizer built before wrapping at the wrapped model's parameters (FSDP replaces them)."""
+    """Point an optimizer built before wrapping at the wrapped model's parameters (FSDP replaces them).
+
+    A parameter of the model that the wrapped model no longer has lives on another rank (a pipeline keeps
+    this rank's stages only): it leaves the optimizer here, and a group may end up empty (every rank keeps the
+    same groups, so that their state dicts line up)."""
     current = {_clean_name(n): p for n, p in model.named_parameters()}
     for group in optimizer.param_groups:
         rebound = []
         for param in group["params"]:
             name = names.get(id(param))
-            if name is None or name not in current:
+            if name is None:
                 raise ConfigurationError(
                     "An optimizer passed to Engine.setup() holds a parameter that is not in the model. Build the "
                     "optimizer over model.parameters(), or call setup_module() first and build it afterwards."
                 )
-            rebound.append(current[name])
+            if name in current:
+                rebound.append(current[name])
         group["params"] = rebound

@@ -254,6 +254,46 @@ class StrategyHooks:
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
         return self._hook.no_sync(model=model)
 
+    # step ------------------------------------------------------------------------------------------
+    def check_batch_size(self, batch_size: int) -> None:
+        self._hook.check_batch_size(batch_size=batch_size)
+
+    def run_training_batch(
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        batch_idx: int,
+        split_batch: Any,
+        compute_loss: Any,
+        loss_scale: float,
+    ) -> Any:
+        return self._hook.run_training_batch(
+            model=model,
+            batch=batch,
+            batch_idx=batch_idx,
+            split_batch=split_batch,
+            compute_loss=compute_loss,
+            loss_scale=loss_scale,
+        )
+
+    def run_evaluation_batch(
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        batch_idx: int,
+        split_batch: Any,
+        compute_loss: Any,
+        stage: str,
+    ) -> Any:
+        return self._hook.run_evaluation_batch(
+            model=model,
+            batch=batch,
+            batch_idx=batch_idx,
+            split_batch=split_batch,
+            compute_loss=compute_loss,
+            stage=stage,
+        )
+
     # data ------------------------------------------------------------------------------------------
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         return self._hook.distributed_sampler_kwargs()

@@ -37,6 +37,10 @@ class Strategy(HookObject):
     #: True when the strategy's own configuration defines the optimizer: ``setup_optimizers`` then takes an
     #: empty list and returns it, and ``Trainer.fit`` accepts a module whose ``configure_optimizers`` gives none.
     provides_optimizer: bool = False
+    #: True when the strategy runs forward and backward itself (``run_training_batch`` returns a result, as a
+    #: pipeline's does): the Trainer then needs the module's loss (``compute_loss`` or ``loss_fn``) rather than a
+    #: ``training_step``, and checks for it before anything launches.
+    owns_step: bool = False
 
     def __init__(self) -> None:
         self.cluster = ClusterEnvironment()
@@ -126,6 +130,20 @@ class Strategy(HookObject):
     @hookimpl
     def no_sync(self, model: torch.nn.Module) -> ContextManager[None]:
         return contextlib.nullcontext()
+
+    # step ------------------------------------------------------------------------------------------
+    # The loops run forward and backward themselves: nothing to check, nothing run here.
+    @hookimpl
+    def check_batch_size(self, batch_size: int) -> None:
+        return None
+
+    @hookimpl
+    def run_training_batch(self, model: torch.nn.Module, batch: Any, batch_idx: int) -> Any:
+        return None
+
+    @hookimpl
+    def run_evaluation_batch(self, model: torch.nn.Module, batch: Any, batch_idx: int, stage: str) -> Any:
+        return None
 
     # data ------------------------------------------------------------------------------------------
     @hookimpl

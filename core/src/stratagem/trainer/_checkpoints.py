@@ -121,8 +121,12 @@ class CheckpointingMixin:
         return state
 
     def _consumption(self) -> Consumption:
-        """What this run consumes per optimizer step (recorded in its checkpoints)."""
-        return Consumption(self._batch_size, self.engine.world_size, self.options.accumulate_grad_batches)
+        """What this run consumes per optimizer step (recorded in its checkpoints). Its "processes" are the
+        data-parallel replicas, among which the sampler deals the data: the world size, except where ranks share
+        their batches (tensor-parallel or pipeline ranks), so that a pipeline resumed at another degree goes
+        on with the same samples."""
+        replicas = self.engine.data_parallel_size
+        return Consumption(self._batch_size, replicas, self.options.accumulate_grad_batches)
 
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None:
         if ckpt_path is None:

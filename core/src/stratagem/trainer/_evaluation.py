@@ -3,13 +3,16 @@ the loggers at each logging step), and the validation and test loop."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stratagem.engine.seed import capture_rng, restore_rng
+from stratagem.errors import ConfigurationError
 from stratagem.trainer._model_calls import batch_for
 from stratagem.trainer._progress import ProgressBar, format_metrics
+from stratagem.trainer.module import Module, defines_loss, step_functions
 
 if TYPE_CHECKING:
     from stratagem.engine import Engine
@@ -27,6 +30,7 @@ class Evaluation:
     engine: Engine
     position: Position
     model: torch.nn.Module | None
+    module: Any
     logged_metrics: dict[str, float]
     _events: TrainerEventHooks
     _recovery: Recovery
@@ -35,8 +39,18 @@ class Evaluation:
     _in_validation: bool
     _bar: ProgressBar | None
     _logging: bool
+    _owned_step: bool
+
+    def _call(self, method: str, *args: Any) -> Any:  # the Trainer's
+        raise NotImplementedError
 
     def _log_metric(self, name: str, value: Any, *, prog_bar: bool, reduce: str) -> None:
+        if self._owned_step:
+            raise ConfigurationError(
+                f"log({name!r}) inside compute_loss or split_batch while strategy {self.engine.strategy_name!r} "
+                "runs the step itself: they run on some ranks only (a pipeline's last stage), and logging is "
+                "reduced over every rank. Log from a callback's on_train_batch_end (outputs is the loss there)."
+            )
         store = self._val_metrics if self._in_validation else self._train_metrics
         store.add(name, value, reduce=reduce, prog_bar=prog_bar)
 
@@ -56,6 +70,33 @@ class Evaluation:
             self._events.call(
                 "log_metrics", trainer=self, metrics={"epoch": epoch, **values}, step=self.position.step
             )
+
+    def _evaluate_batch(self, batch: Any, batch_idx: int, stage: str) -> Any:
+        """One batch of ``stage`` (``"validation"``, ``"test"``, ``"predict"``), under ``torch.no_grad()`` with
+        the model in eval mode: the strategy's own forward-only run when it has one (a pipeline; its loss is
+        logged as ``val_loss`` / ``test_loss`` when the module defines one), else the module's ``<stage>_step``
+        through the wrapped model. Returns what the step returned, or the strategy's outputs (on the ranks that
+        hold them)."""
+        module = self.module
+        split_batch, compute_loss = step_functions(module)
+        wanted = compute_loss if stage != "predict" and defines_loss(module) else None
+        self._owned_step = True
+        try:
+            owned = self.engine.run_evaluation_batch(self.model, batch, batch_idx, split_batch, wanted, stage)
+        finally:
+            self._owned_step = False
+        if owned is None:
+            with self.engine.forward_context():
+                return self._call(f"{stage}_step", batch, batch_idx)
+        if batch_idx == 0 and self.engine.is_global_zero and _overrides(module, f"{stage}_step"):
+            warnings.warn(
+                f"{type(module).__name__}.{stage}_step is not called: strategy {self.engine.strategy_name!r} runs "
+                "forward itself (over its stages); the loss from compute_loss is logged instead.",
+                stacklevel=2,
+            )
+        if owned.loss is not None:
+            self._log_metric(f"{_PREFIXES.get(stage, stage)}_loss", owned.loss, prog_bar=True, reduce="mean")
+        return owned.outputs
 
     def _run_validation(self, loader: Any, epoch: int | None = None) -> dict[str, float]:
         return self._run_evaluation(loader, "validation", epoch)
@@ -80,8 +121,7 @@ class Evaluation:
                         break
                     self._recovery.beat(self.position.step, self.position.batch_in_epoch, stage)
                     batch = batch_for(batch, self.engine.device, self.engine.precision)
-                    with self.engine.forward_context():
-                        self._call(f"{stage}_step", batch, batch_idx)
+                    self._evaluate_batch(batch, batch_idx, stage)
             values = self._val_metrics.reduce(self.engine)
         finally:
             self._in_validation = False
@@ -94,3 +134,12 @@ class Evaluation:
         if validating:
             self._events.call("on_validation_end", trainer=self, metrics=dict(values))
         return values
+
+
+#: The metric prefix of each evaluation stage's loss.
+_PREFIXES = {"validation": "val", "test": "test"}
+
+
+def _overrides(module: Any, method: str) -> bool:
+    own = getattr(type(module), method, None)
+    return own is not None and own is not getattr(Module, method, None)

@@ -13,7 +13,7 @@ from stratagem.checkpoint import _atomic, _store
 from stratagem.errors import CheckpointError, ConfigurationError
 from stratagem.launchers import _rerun
 from stratagem.trainer._optimizers import parse_optimizers
-from stratagem.trainer.module import Module
+from stratagem.trainer.module import Module, defines_loss
 
 
 def provides_optimizer(strategy: Any) -> bool:
@@ -30,9 +30,11 @@ def check_model(model: Any, *, for_fit: bool, strategy_optimizer: Callable[[], b
     if not for_fit:
         return
     step = getattr(type(model), "training_step", None)
-    if step is None or step is Module.training_step:
+    if (step is None or step is Module.training_step) and not defines_loss(model):
         raise ConfigurationError(
-            f"{type(model).__name__} has no training_step(batch, batch_idx). Define it to return the loss."
+            f"{type(model).__name__} has no training_step(batch, batch_idx). Define it to return the loss, or "
+            "define compute_loss(outputs, targets) (and split_batch(batch) when a batch is not an "
+            "(inputs, targets) pair)."
         )
     configure = getattr(type(model), "configure_optimizers", None)
     if (configure is None or configure is Module.configure_optimizers) and not strategy_optimizer():
@@ -40,6 +42,19 @@ def check_model(model: Any, *, for_fit: bool, strategy_optimizer: Callable[[], b
             f"{type(model).__name__} has no configure_optimizers(). Define it to return an optimizer, a "
             "list of optimizers, or {'optimizer': opt, 'lr_scheduler': scheduler}."
         )
+
+
+def check_step(model: Any, strategy: Any) -> None:
+    """A strategy that runs the step itself never calls ``training_step``: it needs the module's loss."""
+    if strategy is None or not getattr(strategy, "owns_step", False) or defines_loss(model):
+        return
+    raise ConfigurationError(
+        f"strategy {strategy.name!r} runs forward and backward of each batch itself (over micro-batches and "
+        f"stages) and cannot call training_step. Give {type(model).__name__} compute_loss(outputs, targets) "
+        "returning the mean loss (or a loss_fn attribute), and split_batch(batch) -> (inputs, targets) when a "
+        "batch is not an (inputs, targets) pair; the default training_step is then built from them, so the module "
+        "trains the same under every strategy."
+    )
 
 
 def check_loader(loader: Any, name: str) -> None:

@@ -13,6 +13,7 @@ from stratagem.trainer import _events as _callbacks
 from stratagem.trainer._model_calls import batch_for, loss_of
 from stratagem.trainer._progress import ProgressBar
 from stratagem.trainer._resume import Position, start_epoch
+from stratagem.trainer.module import step_functions
 
 if TYPE_CHECKING:
     from stratagem.engine import Engine
@@ -31,6 +32,7 @@ class TrainingLoop:
     engine: Engine
     position: Position
     model: torch.nn.Module | None
+    module: Any
     optimizers: list[Any]
     lr_schedulers: list[Scheduler]
     should_stop: bool
@@ -44,6 +46,7 @@ class TrainingLoop:
     _last_saved_step: int | None
     _logging: bool
     _stepped: bool
+    _owned_step: bool
 
     def _fit_loop(self, loader: Any, val_loader: Any) -> None:
         opts = self.options
@@ -156,13 +159,7 @@ class TrainingLoop:
         events = self._events
         events.call("on_train_batch_start", trainer=self, batch=batch, batch_idx=batch_idx)
         with engine.no_sync(self.model, enabled=not boundary):
-            with engine.forward_context():
-                output = self._call("training_step", batch, batch_idx)
-            loss = loss_of(output)
-            beat(position.step, batch_idx, "backward")
-            engine.backward(
-                loss / opts.accumulate_grad_batches if opts.accumulate_grad_batches > 1 else loss, self.model
-            )
+            output, loss = self._forward_backward(batch, batch_idx)
         self._train_metrics.add("loss", loss.detach())
         position.batch_in_epoch = batch_idx + 1
         self._stepped = boundary
@@ -213,6 +210,29 @@ class TrainingLoop:
         if (logging or validating) and self._stop_agreed():
             return True
         return opts.max_steps is not None and position.step >= opts.max_steps
+
+    def _forward_backward(self, batch: Any, batch_idx: int) -> tuple[Any, torch.Tensor]:
+        """Forward and backward of one batch: the strategy's own step when it runs one (a pipeline), else
+        ``training_step`` in ``forward_context``, then ``backward``. Returns what ``on_train_batch_end`` gets
+        (the step's return value; the loss under a strategy's own step) and the loss to log."""
+        engine, accumulate = self.engine, self.options.accumulate_grad_batches
+        split_batch, compute_loss = step_functions(self.module)
+        self._owned_step = True  # self.log would run on some ranks only (a pipeline's last stage)
+        try:
+            owned = engine.run_training_batch(
+                self.model, batch, batch_idx, split_batch, compute_loss, 1.0 / accumulate
+            )
+        finally:
+            self._owned_step = False
+        if owned is not None:
+            assert owned.loss is not None
+            return owned.loss, owned.loss
+        with engine.forward_context():
+            output = self._call("training_step", batch, batch_idx)
+        loss = loss_of(output)
+        self._recovery.beat(self.position.step, batch_idx, "backward")
+        engine.backward(loss / accumulate if accumulate > 1 else loss, self.model)
+        return output, loss
 
     def _optimizer_step(self) -> None:
         clip = self.options.gradient_clip_val

@@ -214,6 +214,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         self.ckpt_path: Path | None = None
         self._logging = False
         self._stepped = False
+        self._owned_step = False
 
     # properties ------------------------------------------------------------------------------------
     @property
@@ -270,6 +271,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
             return _fit_checks.provides_optimizer(self.engine.strategy)
 
         _fit_checks.check_model(model, for_fit=True, strategy_optimizer=strategy_optimizer)
+        _fit_checks.check_step(model, self._strategy_if_made())
         _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
         if val_dataloaders is not None:
             _fit_checks.check_loader(val_dataloaders, "val_dataloaders")
@@ -279,6 +281,8 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
             self._launch()
         self._setup(model, with_optimizers=True)
         self._batch_size = loader_batch_size(train_dataloaders)
+        if self._batch_size is not None:
+            self.engine.check_batch_size(self._batch_size)
         resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
             self._load_for_resume(resume_from)
@@ -305,6 +309,13 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
             self._bar.print(message)
         else:
             print(message, flush=True)
+
+    def _strategy_if_made(self) -> Any:
+        """The strategy, except in a process that only launches and was given its name: creating it there
+        imports its plugin, which only delays the workers (they check again)."""
+        if self.engine.needs_launch and self.engine._strategy is None:
+            return None
+        return self.engine.strategy
 
     def _launch(self) -> None:
         _fit_checks.check_relaunchable(self.engine.devices)

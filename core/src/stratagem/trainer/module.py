@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
+
+from stratagem.errors import ConfigurationError
 
 
 class Attached(Protocol):
@@ -22,10 +25,16 @@ class Attached(Protocol):
 class Module(torch.nn.Module):
     """Write the model and its training step; the Trainer does the rest.
 
-    Override :meth:`training_step` (required) and :meth:`configure_optimizers` (required for ``fit``);
+    Override :meth:`training_step` (or :meth:`compute_loss`, see below) and :meth:`configure_optimizers`
+    (required for ``fit``);
     :meth:`configure_model` builds large layers under the strategy's init and sharding contexts;
     :meth:`validation_step` runs on ``val_loader``. Call :meth:`log` to record metrics.
     :meth:`on_save_checkpoint` / :meth:`on_load_checkpoint` carry extra state of your own through checkpoints.
+
+    The pair :meth:`split_batch` / :meth:`compute_loss` (or a ``loss_fn`` attribute) says how a batch splits
+    into the model's inputs and targets and how the loss is computed from the outputs. A module written with
+    it needs no ``training_step`` (the default one is built from the pair) and trains under every strategy,
+    including those that run the step themselves (pipelines), which never call ``training_step``.
     """
 
     def configure_model(self) -> None:
@@ -35,12 +44,32 @@ class Module(torch.nn.Module):
         """
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Return the loss of one batch (or a dict with key ``"loss"``)."""
-        raise NotImplementedError
+        """Return the loss of one batch (or a dict with key ``"loss"``).
+
+        The default, for a module that defines its loss (:meth:`compute_loss` or ``loss_fn``):
+        ``compute_loss(self(*inputs), targets)`` with ``(inputs, targets) = split_batch(batch)``.
+        """
+        if not defines_loss(self):
+            raise NotImplementedError(
+                f"{type(self).__name__} defines neither training_step nor compute_loss (or loss_fn)."
+            )
+        inputs, targets = self.split_batch(batch)
+        return self.compute_loss(self(*inputs), targets)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
-        """Compute validation metrics of one batch; log them with :meth:`log`."""
-        return None
+        """Compute validation metrics of one batch; log them with :meth:`log`.
+
+        The default, for a module that defines its loss: log ``val_loss`` (what a strategy that runs the step
+        itself logs), when the batch has targets.
+        """
+        if not defines_loss(self):
+            return None
+        inputs, targets = self.split_batch(batch)
+        if targets is None:
+            return None
+        loss = self.compute_loss(self(*inputs), targets)
+        self.log("val_loss", loss)
+        return loss
 
     def configure_optimizers(self) -> Any:
         """Return an optimizer, a list of optimizers, or ``{"optimizer": opt, "lr_scheduler": sched}``.
@@ -139,3 +168,51 @@ class Module(torch.nn.Module):
         from stratagem.trainer import _hparams
 
         return _hparams.build(cls, path, overrides)
+
+    # how a batch splits and how its loss is computed (the step of any strategy, pipelines included) ----
+    def split_batch(self, batch: Any) -> tuple[tuple[Any, ...], Any]:
+        """Return ``(inputs, targets)``: ``inputs`` a tuple of ``forward``'s positional arguments (the first
+        dimension of each tensor the batch), ``targets`` what :meth:`compute_loss` compares outputs with.
+
+        Under a pipeline the first stage reads ``inputs`` and the last stage ``targets``, each cut into
+        micro-batches along the first dimension. The default takes a pair ``(x, y)`` as ``((x,), y)`` and a
+        dict with ``"input_ids"`` as ``((batch["input_ids"],), batch.get("labels"))``.
+        """
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return (batch[0],), batch[1]
+        if isinstance(batch, dict) and "input_ids" in batch:
+            return (batch["input_ids"],), batch.get("labels")
+        raise ConfigurationError(
+            f"{type(self).__name__}.split_batch cannot split a batch of type {type(batch).__name__}"
+            + (f" with {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
+            + ": the default takes (inputs, targets) pairs and dicts with 'input_ids'. Override "
+            "split_batch(batch) to return (inputs_tuple, targets)."
+        )
+
+    def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """Return the mean loss over the samples of ``outputs`` (a scalar tensor).
+
+        Under a pipeline it runs on the last stage, once per micro-batch, and the batch's loss is the mean
+        of those; so return a mean, not a sum. Do not call :meth:`log` here under a pipeline (the other stages
+        would not log). The default calls ``self.loss_fn(outputs, targets)`` when the module has one.
+        """
+        loss_fn = getattr(self, "loss_fn", None)
+        if not callable(loss_fn):
+            raise NotImplementedError(
+                f"{type(self).__name__} has no compute_loss(outputs, targets) and no loss_fn attribute."
+            )
+        return loss_fn(outputs, targets)
+
+
+def defines_loss(module: Any) -> bool:
+    """Whether ``module`` says how its loss is computed (:meth:`Module.compute_loss` or a ``loss_fn``)."""
+    if not isinstance(module, Module):
+        return False
+    return type(module).compute_loss is not Module.compute_loss or callable(getattr(module, "loss_fn", None))
+
+
+def step_functions(module: Any) -> tuple[Callable[[Any], Any], Callable[[Any, Any], torch.Tensor]]:
+    """``module``'s ``split_batch`` and ``compute_loss`` (the defaults for a torch module that is not a Module)."""
+    split = getattr(module, "split_batch", None) or functools.partial(Module.split_batch, module)
+    compute = getattr(module, "compute_loss", None) or functools.partial(Module.compute_loss, module)
+    return split, compute

@@ -12,7 +12,7 @@ import attrs
 from stratagem.errors import ConfigurationError
 from stratagem_fsdp._config import to_mixed_precision, to_timedelta
 from stratagem_fsdp._policy import Policy, to_policy
-from stratagem_pp import _schedules
+from stratagem_pp import _schedules, _split
 
 STATE_DICT_TYPES = ("full", "sharded")
 #: Options of the FSDP dimension (``pp_fsdp`` and ``pp_fsdp_tp``).
@@ -40,20 +40,12 @@ def _is_schedule(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _is_pp_plan(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    """``None``, a list of module names (where stages begin), or a list of lists of module names (each stage's
-    modules). The names themselves are checked against the model in ``_split``."""
-    if value is None:
+    """``None``, a callable (of the number of stages), or a plan in one of ``_split``'s forms."""
+    if value is None or (callable(value) and not isinstance(value, Mapping)):
         return
-    forms = (
-        "give a list of the module names where each stage begins (['blocks.4']), or one list of module names "
-        "per stage ([['embed', 'blocks.0', ...], [..., 'head']])."
-    )
-    if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)) or not value:
-        raise _fail(attribute.name, value, forms)
-    flat = all(isinstance(v, str) for v in value)
-    nested = all(isinstance(v, (list, tuple)) and v and all(isinstance(n, str) for n in v) for v in value)
-    if not (flat or nested):
-        raise _fail(attribute.name, value, forms)
+    problem = _split.form_problem(value)
+    if problem:
+        raise _fail(attribute.name, value, problem)
 
 
 def _to_pp_plan(value: Any) -> Any:
@@ -92,7 +84,8 @@ class PPConfig:
         the number of stages.
     :param stages_per_rank: stages each rank runs (virtual stages of the interleaved schedules). Default: 1
         for ``gpipe`` and ``1f1b``, 2 for the others.
-    :param pp_plan: where the model splits (see ``_split``); default: the model's ``pp_plan``, Hugging Face's
+    :param pp_plan: where the model splits (see ``_split``): stage beginnings, module names per stage, or a
+        callable of the number of stages giving one of those; default: the model's ``pp_plan``, Hugging Face's
         ``base_model_pp_plan``, else an even split of the repeated blocks by parameter count.
     :param activation_checkpointing_policy: submodules of each stage whose activations backward recomputes.
     :param auto_wrap_policy: FSDP units of each stage (default: the stage's blocks); the stage is the root unit.

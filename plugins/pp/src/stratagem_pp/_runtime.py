@@ -41,8 +41,10 @@ class Pipeline:
         group: Any,
         device: torch.device,
         stage_ranks: dict[int, int],
+        replica_group: Any = None,
     ) -> None:
         self.split, self.schedule_name, self.local = split, schedule, local
+        self.replica_group = replica_group
         self.microbatches, self.group, self.device = microbatches, group, device
         num_stages = split.num_stages
         stage_class = _stage_class()
@@ -68,7 +70,7 @@ class Pipeline:
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                 + "; return the mean loss of the micro-batch as a scalar tensor."
             )
-        return loss * self._scale if self._scale != 1.0 else loss
+        return loss * (self._scale / self.microbatches)
 
     def _begin(self, inputs: tuple[Any, ...], loss_fn: Any, scale: float) -> int:
         if not isinstance(inputs, tuple):
@@ -124,8 +126,15 @@ class Pipeline:
         # the values met while it inferred the stages' shapes).
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.has_last:
-            value = torch.stack([loss.detach() for loss in losses]).double().mean() / scale
+            value = torch.stack([loss.detach() for loss in losses]).double().mean() / (
+                scale / self.microbatches
+            )
         dist.broadcast(value, src=self.last_rank, group=self.group)
+        if self.replica_group is not None:
+            # Each data-parallel replica ran its share of the batch: the batch's loss is their mean, the same on
+            # every rank.
+            dist.all_reduce(value, group=self.replica_group)
+            value /= dist.get_world_size(self.replica_group)
         return value
 
     def clear(self) -> None:

@@ -144,11 +144,12 @@ def local_stages(schedule: str, pp: int, stages_per_rank: int, pp_rank: int) -> 
 
 def build(schedule: str, stages: list[Any], microbatches: int, loss_fn: Any) -> Any:
     """The torch schedule over this rank's ``PipelineStage`` objects. ``loss_fn`` returns the mean loss of one
-    micro-batch; the schedule divides gradients by the number of micro-batches (``scale_grads``), so that
-    they are those of the mean over the batch."""
+    micro-batch, already divided by the number of micro-batches, so that gradients are those of the mean over
+    the batch. Not torch's ``scale_grads``: it divides every gradient the parameters hold, those accumulated
+    over earlier batches (``accumulate_grad_batches``) included."""
     from torch.distributed.pipelining import schedules
 
     cls = getattr(schedules, SCHEDULES[schedule].torch_class)
     if SCHEDULES[schedule].placement == "single":
-        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -12,7 +12,9 @@ The plan is looked for in this order:
    same-class children hold the most parameters) by parameter count.
 
 A plan is either the names of the modules where each stage begins (``["blocks.4"]`` for two stages: the first
-stage begins at the model's first piece, so that entry may be left out) or one list of module names per stage.
+stage begins at the model's first piece, so that entry may be left out) or one list of module names per stage;
+or a callable that takes the number of stages and returns one of those (a model's ``pp_plan`` method), for a
+model that says how it splits at any pipeline degree.
 A *piece* is a child of the block container, or a module outside it that does not contain it and has
 parameters or no state at all (an activation, a dropout); pieces run in the order the model registers them.
 Modules with buffers but no parameters (a rotary embedding) are helpers that every stage keeps. The modules before the first block go to the first stage,
@@ -93,6 +95,11 @@ def find_blocks(model: torch.nn.Module) -> tuple[str | None, tuple[str, ...]]:
     return best[1], best[2]
 
 
+#: A ``stratagem.Module``'s loss (``loss_fn``) may be a module: it is no step of the forward chain, and the last
+#: stage calls it, so every stage keeps it.
+LOSS_MODULE = "loss_fn"
+
+
 def pieces(model: torch.nn.Module, container: str | None) -> list[str]:
     """The model's pieces in registration order (see the module docstring)."""
     found: list[str] = []
@@ -100,6 +107,8 @@ def pieces(model: torch.nn.Module, container: str | None) -> list[str]:
     def walk(module: torch.nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
             full = prefix + name
+            if full == LOSS_MODULE:
+                continue
             if container is not None and full == container:
                 found.extend(f"{full}.{n}" for n, _ in child.named_children())
             elif container is not None and inside(container, full):
@@ -116,11 +125,40 @@ def pieces(model: torch.nn.Module, container: str | None) -> list[str]:
 # -------------------------------------------------------------------------------------------------
 
 
-def find(option: Any, model: torch.nn.Module) -> tuple[str, Any]:
-    """``(source, plan)`` in the documented order of precedence; ``("even", None)`` without any plan."""
+def form_problem(plan: Any) -> str | None:
+    """What is wrong with the form of a (non-callable) plan, or ``None``. Names are checked against the model
+    in :func:`resolve`."""
+    forms = (
+        "give a list of the module names where each stage begins (['blocks.4']), one list of module names per "
+        "stage ([['embed', 'blocks.0', ...], [..., 'head']]), or a callable taking the number of stages and "
+        "returning one of those."
+    )
+    if isinstance(plan, (str, Mapping)) or not isinstance(plan, (list, tuple)) or not plan:
+        return forms
+    flat = all(isinstance(v, str) for v in plan)
+    nested = all(isinstance(v, (list, tuple)) and v and all(isinstance(n, str) for n in v) for v in plan)
+    return None if flat or nested else forms
+
+
+def _called(plan: Any, num_stages: int, source: str) -> Any:
+    """A callable plan's answer for ``num_stages`` stages, checked like a plan given as such."""
+    if not callable(plan) or isinstance(plan, Mapping):
+        return plan
+    answer = plan(num_stages)
+    problem = form_problem(answer)
+    if problem:
+        raise ConfigurationError(
+            f"pp_plan from {source} returned {answer!r} for {num_stages} stages: {problem}"
+        )
+    return answer
+
+
+def find(option: Any, model: torch.nn.Module, num_stages: int = 2) -> tuple[str, Any]:
+    """``(source, plan)`` in the documented order of precedence; ``("even", None)`` without any plan. A callable
+    plan is called with ``num_stages``."""
     if option is not None:
-        return "option", option
-    attribute = getattr(model, "pp_plan", None)
+        return "option", _called(option, num_stages, "option")
+    attribute = _called(getattr(model, "pp_plan", None), num_stages, "model.pp_plan")
     if isinstance(attribute, Mapping) and attribute:
         return "hf", dict(attribute)
     if isinstance(attribute, (list, tuple)) and attribute:
@@ -136,7 +174,7 @@ def find(option: Any, model: torch.nn.Module) -> tuple[str, Any]:
 
 def resolve(option: Any, model: torch.nn.Module, num_stages: int) -> Split:
     """The split of ``model`` into ``num_stages`` stages; every error says what to give instead."""
-    source, plan = find(option, model)
+    source, plan = find(option, model, num_stages)
     names = dict(model.named_modules())
     container, blocks = find_blocks(model)
     if source == "hf":

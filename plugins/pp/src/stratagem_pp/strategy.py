@@ -7,9 +7,10 @@ activation checkpointing and ``fully_shard`` (``_parallelize``), materialise a m
 would (``_materialize``), and set up the schedule (``_runtime``). It returns the pruned model: this rank's
 parameters under their names in the whole model.
 
-Training a batch goes through :meth:`PPStrategy.train_step` (forward and backward of every micro-batch inside
-the schedule) and evaluation through :meth:`PPStrategy.eval_step` (forward only). The core calls them through
-the step hooks proposed in docs/pp-design.md; until then a hand-written loop calls them directly.
+The strategy owns the step (``owns_step``): the core's step hooks (``run_training_batch``,
+``run_evaluation_batch``) run a batch through :meth:`PPStrategy.train_step` (forward and backward of every
+micro-batch inside the schedule) or :meth:`PPStrategy.eval_step` (forward only), with the module's
+``split_batch`` and ``compute_loss``. The Trainer and ``Engine.train_batch`` reach them that way.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from stratagem import hookimpl
 from stratagem.errors import ConfigurationError
 from stratagem.launchers.cluster import ClusterEnvironment
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.step import StepOutput, as_inputs
 from stratagem.strategies.torch_distributed import TorchDistributedStrategy
 from stratagem.strategies.wrapping import has_meta_tensors
 from stratagem_fsdp import _init, _wrap
-from stratagem_pp import _config, _materialize, _parallelize, _schedules, _split, _stage
+from stratagem_pp import _config, _materialize, _parallelize, _schedules, _split, _stage, _state
 from stratagem_pp._runtime import Pipeline, StepResult
 from stratagem_tp.strategy import global_norm
 
@@ -55,6 +57,8 @@ class PPStrategy(TorchDistributedStrategy):
 
     #: Mesh dimensions: 1 (pp), 2 (pp, dp), 3 (pp, dp, tp).
     dims = 1
+    #: Forward and backward run inside the schedule: the loops hand batches to the step hooks.
+    owns_step = True
     _options_name = "PPStrategy"
 
     def __init__(self, **options: Any) -> None:
@@ -182,6 +186,7 @@ class PPStrategy(TorchDistributedStrategy):
             group=self.device_mesh.get_group("pp"),
             device=self.device,
             stage_ranks=_schedules.stage_ranks(schedule, sizes.pp, spr),
+            replica_group=self.device_mesh.get_group("dp") if self.dims >= 2 and sizes.dp > 1 else None,
         )
         self.applied.update(holder=holder, views=views)
         holder.register_forward_pre_hook(_refuse_whole_model_call)
@@ -193,7 +198,35 @@ class PPStrategy(TorchDistributedStrategy):
     def shard_stage(self, view: torch.nn.Module, split: _split.Split, index: int) -> list[str]:
         return []
 
-    # the step (called through the core's step hooks once they exist; see docs/pp-design.md) -------
+    # the step -------------------------------------------------------------------------------------
+    @hookimpl
+    def check_batch_size(self, batch_size: int) -> None:
+        """Refuse a per-process batch that the micro-batches do not divide (before the first batch)."""
+        _config.check_batch(self.microbatches, batch_size)
+
+    @hookimpl
+    def run_training_batch(
+        self,
+        batch: Any,
+        split_batch: Callable[[Any], tuple[Any, Any]],
+        compute_loss: Callable[[Any, Any], torch.Tensor],
+        loss_scale: float,
+    ) -> StepOutput:
+        inputs, targets = split_batch(batch)
+        result = self.train_step(as_inputs(inputs), targets, compute_loss, loss_scale)
+        return StepOutput(loss=result.loss, outputs=result.outputs)
+
+    @hookimpl
+    def run_evaluation_batch(
+        self,
+        batch: Any,
+        split_batch: Callable[[Any], tuple[Any, Any]],
+        compute_loss: Callable[[Any, Any], torch.Tensor] | None,
+    ) -> StepOutput:
+        inputs, targets = split_batch(batch)
+        result = self.eval_step(as_inputs(inputs), targets, compute_loss)
+        return StepOutput(loss=result.loss, outputs=result.outputs)
+
     def train_step(
         self,
         inputs: tuple[Any, ...],
@@ -220,10 +253,6 @@ class PPStrategy(TorchDistributedStrategy):
     ) -> StepResult:
         """Forward only (validation, test, predict): the last stage's outputs, and the mean loss if asked."""
         return self._running().eval_step(inputs, targets, loss_fn)
-
-    def check_batch_size(self, batch_size: int) -> None:
-        """Refuse a per-process batch that the micro-batches do not divide (before any worker trains)."""
-        _config.check_batch(self.microbatches, batch_size)
 
     def _running(self) -> Pipeline:
         if self.pipeline is None or self.pipeline.schedule is None:
@@ -268,6 +297,35 @@ class PPStrategy(TorchDistributedStrategy):
         # the reduced gradients, which stays exact (see docs/pp-design.md for skipping that reduction).
         return contextlib.nullcontext()
 
+    # checkpoints: a full state dict holds every stage (gathered to rank 0); loading one keeps this rank's
+    def module_state_dict(self, module: torch.nn.Module, *, full: bool) -> dict[str, Any]:
+        return _state.module_state_dict(self, module, full)
+
+    def optimizer_state_dict(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, full: bool
+    ) -> dict[str, Any]:
+        return _state.optimizer_state_dict(self, module, optimizer, full)
+
+    def load_module_state_dict(
+        self, module: torch.nn.Module, state_dict: dict[str, Any], *, full: bool, strict: bool
+    ) -> Any:
+        return _state.load_module_state_dict(self, module, state_dict, full, strict)
+
+    def load_optimizer_state_dict(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state_dict: dict[str, Any],
+        *,
+        full: bool,
+    ) -> None:
+        _state.load_optimizer_state_dict(self, module, optimizer, state_dict, full)
+
+    def sends_stage(self) -> bool:
+        """Whether this rank sends its stages to a full checkpoint: data- and tensor-parallel rank 0."""
+        mesh = self.device_mesh
+        return all(mesh.get_local_rank(name) == 0 for name in ("dp", "tp")[: self.dims - 1])
+
     # teardown --------------------------------------------------------------------------------------
     @hookimpl
     def teardown(self) -> None:
@@ -278,10 +336,10 @@ class PPStrategy(TorchDistributedStrategy):
 
 
 _OWN_STEP = (
-    "a pipeline strategy runs forward and backward of every micro-batch inside its schedule: call "
-    "strategy.train_step(inputs, targets, loss_fn) (eval_step for forward only). The model returned by setup "
-    "holds this rank's stages only, so calling it, or engine.backward on a loss of it, cannot work; the "
-    "Trainer drives pipelines once the step hooks of docs/pp-design.md exist."
+    "a pipeline strategy runs forward and backward of every micro-batch inside its schedule: in a custom loop "
+    "call engine.train_batch(model, inputs, targets, loss_fn) (engine.eval_batch for forward only); the "
+    "Trainer does so with the module's split_batch and compute_loss. The model returned by setup holds this "
+    "rank's stages only, so calling it, or engine.backward on a loss of it, cannot work."
 )
 
 

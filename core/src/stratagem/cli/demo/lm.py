@@ -16,9 +16,21 @@ from torch.utils.data import DataLoader
 import stratagem as sg
 from stratagem.cli.compare import gradient_bytes, optimizer_bytes, parameter_bytes
 from stratagem.cli.demo.model import CharLM, CharWindows, load_text, replica_bytes
+from stratagem.engine._optimizer import _clean_name
 from stratagem.strategies.precision import param_dtype
 
 __all__ = ["CharLM", "CharWindows", "load_text", "run"]
+
+
+class _Losses:
+    """Each batch's loss as the Trainer reports it to callbacks (under every strategy, pipelines included)."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    @sg.hookimpl
+    def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int, step: int) -> None:
+        self.losses.append(outputs.detach())
 
 
 class _GradientBytes:
@@ -99,7 +111,8 @@ def run(
         launcher=launcher,
         compile=compile,
     )
-    first = sg.Trainer(max_steps=half, **common)
+    recorded = _Losses()
+    first = sg.Trainer(max_steps=half, callbacks=[recorded], **common)
     model = CharLM(len(data.vocab))
     model.__dict__["total_steps"] = steps
     loader = DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True)
@@ -112,15 +125,14 @@ def run(
     if first.engine.compiled_regions:
         regions = first.engine.compiled_regions
         first.print(f"compiled with torch.compile: {', '.join(r or 'the model' for r in regions)}")
-    first_losses = list(model.losses)
 
     # A fresh model and Trainer, as a new run would make them: everything comes back from the checkpoint.
     gradients = _GradientBytes()
-    second = sg.Trainer(max_steps=steps, callbacks=[gradients], **common)
+    second = sg.Trainer(max_steps=steps, callbacks=[gradients, recorded], **common)
     resumed = CharLM(len(data.vocab))
     resumed.__dict__["total_steps"] = steps
     second.fit(resumed, loader, ckpt_path="last")
-    losses = first_losses + list(resumed.losses)
+    losses = recorded.losses
     dtype = param_dtype(precision) or torch.float32
     replica = replica_bytes(len(data.vocab), torch.empty((), dtype=dtype).element_size())
     return _report(second, losses, gradients.bytes, replica, root, temporary)
@@ -157,6 +169,12 @@ def _report(
         names = layout["names"] or ("",) * len(layout["shape"])
         shown = " x ".join(f"{n} {s}".strip() for n, s in zip(names, layout["shape"]))
         trainer.print(f"device mesh: {shown}")
+    held_modules = [engine.broadcast(_modules_held(trainer.model), src) for src in range(engine.world_size)]
+    if any(modules != held_modules[0] for modules in held_modules):
+        # A pipeline keeps each rank's stages only: say which.
+        trainer.print(
+            "modules per rank: " + "; ".join(f"{r}: {', '.join(m)}" for r, m in enumerate(held_modules))
+        )
     trainer.print(
         f"held per rank (one whole replica: parameters {_megabytes(replica['parameters']).strip()}, with "
         f"gradients and AdamW state {_megabytes(whole).strip()}):"
@@ -181,4 +199,17 @@ def _report(
         "losses": [float(loss) for loss in losses],
         "mesh": layout,
         "steps": trainer.global_step,
+        "modules": held_modules,
     }
+
+
+def _modules_held(model: torch.nn.Module) -> list[str]:
+    """The model's pieces this rank holds parameters of: top-level modules, and each block of a list."""
+    found: list[str] = []
+    for name, _ in model.named_parameters():
+        parts = _clean_name(name).split(".")
+        cut = next((i + 1 for i, part in enumerate(parts[:-1]) if part.isdigit()), 1)
+        piece = ".".join(parts[:cut])
+        if piece not in found:
+            found.append(piece)
+    return found

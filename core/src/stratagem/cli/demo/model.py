@@ -82,7 +82,8 @@ class Block(torch.nn.Module):
 
 class CharLM(sg.Module):
     """A small transformer LM. Layers are built in ``configure_model`` so that sharding strategies can build
-    them on the meta device and shard each block (``sg.wrap``)."""
+    them on the meta device and shard each block (``sg.wrap``). It says how its loss is computed
+    (:meth:`compute_loss`) rather than writing a training step, so that it trains under every strategy."""
 
     #: How tensor-parallel strategies split it (module-name globs to styles; plain data, read by strategies
     #: that split layers and ignored by the others): attention and MLP column- then row-wise (one all-reduce
@@ -99,13 +100,24 @@ class CharLM(sg.Module):
         "head": "colwise_gather_output",
     }
 
+    def pp_plan(self, num_stages: int) -> list[str]:
+        """Where pipeline strategies split it (plain data too, ignored by the others): the block where each
+        stage after the first begins, blocks spread evenly; the embeddings go with the first stage, the final
+        norm and the head with the last."""
+        layers = self.config["layers"]
+        if not 1 < num_stages <= layers:
+            raise sg.ConfigurationError(
+                f"the demo's model has {layers} blocks: it splits into 2 to {layers} pipeline stages, not "
+                f"{num_stages}."
+            )
+        return [f"blocks.{stage * layers // num_stages}" for stage in range(1, num_stages)]
+
     def __init__(
         self, vocab: int, block: int = 64, dim: int = 64, layers: int = 2, heads: int = 4, lr: float = 3e-3
     ):
         super().__init__()
         self.config = dict(vocab=vocab, block=block, dim=dim, layers=layers, heads=heads)
         self.lr = lr
-        self.losses: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
         c = self.config
@@ -117,24 +129,28 @@ class CharLM(sg.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits of every position, as ``(batch * time, vocab)``."""
-        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        x = self.tok(ids)
+        # On a later pipeline stage the embeddings are another stage's (falsy stand-ins that pass their input
+        # on): what arrives is the previous stage's hidden states.
+        if self.pos:
+            x = x + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)
         # Flattened before the head, so the result is not a view: FSDP warns about returning one, since an
         # in-place op on it would skip its pre-backward hook. A tensor-parallel head hands back a view of its
         # gathered output all the same; that one is copied (the logits of one batch: a few hundred KB).
-        logits = self.head(self.ln(x).flatten(0, 1))
+        x = self.ln(x)
+        if not self.head:
+            # An earlier pipeline stage: its hidden states go on to the next stage unflattened.
+            return x
+        logits = self.head(x.flatten(0, 1))
         return logits if logits._base is None else logits.clone()
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self(x), y.reshape(-1))
-        self.losses.append(loss.detach())
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x), y.reshape(-1)))
+    def compute_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of a batch of ``(inputs, targets)`` windows: with it, the default training step (and
+        ``val_loss`` in validation) need no code here, and pipeline strategies, which run the step
+        themselves, train it too."""
+        return F.cross_entropy(logits, targets.reshape(-1))
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
