@@ -44,7 +44,8 @@ def test_registered_and_accepted_by_a_trainer(stratagem_event_plugin: str) -> No
     import importlib_metadata
 
     from stratagem import hookspecs
-    from stratagem.registry._manager import TrainerEventHooks, get_registry
+    from stratagem.registry._events import TrainerEventHooks
+    from stratagem.registry._manager import get_registry
 
     kind, _, name = stratagem_event_plugin.partition(":")
     info = get_registry().get_callback(name, kind)

@@ -14,7 +14,7 @@ from stratagem.engine._checkpoints import Checkpoints
 from stratagem.engine._compiling import Compiling
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
 from stratagem.engine._launching import Launching
-from stratagem.engine._optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer, _unwrap
+from stratagem.engine._optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer
 from stratagem.engine._steps import Steps
 from stratagem.engine.seed import seed_everything
 from stratagem.errors import ConfigurationError
@@ -346,26 +346,6 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         return self._hooks.forward_context()
 
     autocast = forward_context
-
-    # optimization ----------------------------------------------------------------------------------
-    def _model_for(self, model: torch.nn.Module | None) -> torch.nn.Module:
-        if model is not None:
-            return model
-        if len(self._models) != 1:
-            raise ConfigurationError("Several models are set up: pass the one this call is for (model=...).")
-        return self._models[0]
-
-    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
-        self._hooks.backward(loss, self._model_for(model))
-
-    def clip_gradients(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
-        return self._hooks.clip_gradients(model, _unwrap(optimizer), float(max_norm))
-
-    def no_sync(self, model: torch.nn.Module | None = None, enabled: bool = True) -> ContextManager[None]:
-        """Skip gradient synchronisation inside the block (accumulation steps) when ``enabled``."""
-        if not enabled:
-            return contextlib.nullcontext()
-        return self._hooks.no_sync(self._model_for(model))
 
     # collectives -----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:

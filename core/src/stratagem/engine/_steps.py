@@ -1,5 +1,5 @@
-"""The Engine's step methods: one batch's forward and backward (or forward only) under any strategy, so that
-one custom loop runs under every strategy, pipelines included.
+"""The Engine's step methods: ``backward``, ``clip_gradients``, ``no_sync``, and one batch's forward and backward
+(or forward only) under any strategy, so that one custom loop runs under every strategy, pipelines included.
 
 A strategy that owns the step (``run_training_batch`` returns a result) runs it; for the others the Engine
 runs the ordinary path: ``forward_context``, the model, the loss function, then ``backward``.
@@ -7,11 +7,14 @@ runs the ordinary path: ``forward_context``, the model, the loss function, then 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 
+from stratagem.engine._optimizer import _unwrap
+from stratagem.errors import ConfigurationError
 from stratagem.strategies.step import StepOutput, as_inputs, given_split, scalar_loss
 
 if TYPE_CHECKING:
@@ -22,9 +25,26 @@ class Steps:
     """Mixed into the Engine, which provides the hooks and the model lookup."""
 
     _hooks: StrategyHooks
+    _models: list[torch.nn.Module]
 
-    def _model_for(self, model: torch.nn.Module | None) -> torch.nn.Module:  # the Engine's
-        raise NotImplementedError
+    def _model_for(self, model: torch.nn.Module | None) -> torch.nn.Module:
+        if model is not None:
+            return model
+        if len(self._models) != 1:
+            raise ConfigurationError("Several models are set up: pass the one this call is for (model=...).")
+        return self._models[0]
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
+        self._hooks.backward(loss, self._model_for(model))
+
+    def clip_gradients(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        return self._hooks.clip_gradients(model, _unwrap(optimizer), float(max_norm))
+
+    def no_sync(self, model: torch.nn.Module | None = None, enabled: bool = True) -> ContextManager[None]:
+        """Skip gradient synchronisation inside the block (accumulation steps) when ``enabled``."""
+        if not enabled:
+            return contextlib.nullcontext()
+        return self._hooks.no_sync(self._model_for(model))
 
     def train_batch(
         self,

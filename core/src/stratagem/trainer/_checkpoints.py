@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from stratagem.engine import Engine
-    from stratagem.registry._manager import TrainerEventHooks
+    from stratagem.registry._events import TrainerEventHooks
     from stratagem.trainer._optimizers import Scheduler
     from stratagem.trainer._options import TrainerOptions
     from stratagem.trainer._preemption import Preemption

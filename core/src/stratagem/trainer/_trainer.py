@@ -17,7 +17,7 @@ from stratagem.errors import ConfigurationError
 from stratagem.launchers import _restarts
 from stratagem.launchers import _spawn as launcher
 from stratagem.launchers._watchdog import collective_timeout
-from stratagem.registry._manager import TrainerEventHooks
+from stratagem.registry._events import TrainerEventHooks
 from stratagem.trainer import _events as _callbacks
 from stratagem.trainer import _fit_checks
 from stratagem.trainer._batch_rule import loader_batch_size
