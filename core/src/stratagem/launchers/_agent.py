@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,10 +88,15 @@ def _agent_class() -> type:
             if context is None or getattr(context, "_stratagem_stops", False):
                 return
             close = context.close
+            # Weak references: the context holds this function, and a cycle through the agent would keep the
+            # rendezvous store (and its port) alive after the run until the garbage collector came by.
+            agent, held = weakref.ref(self), weakref.ref(context)
 
             def stopping_close(death_sig: Any = None, timeout: int = 30) -> None:
+                me, pcontext = agent(), held()
                 if death_sig is None:
-                    self.stopped_pids.update(_running_pids(context))
+                    if me is not None and pcontext is not None:
+                        me.stopped_pids.update(_running_pids(pcontext))
                     death_sig = signal.SIGKILL
                 close(death_sig, timeout)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 from typing import Any
 
 import torch
@@ -49,6 +50,9 @@ def _quiesce() -> None:
     gc.collect()
     time.sleep(EXIT_QUIESCE_S)
 
+
+#: How many process groups this process has formed through setup_environment (see there).
+_GROUPS_FORMED = itertools.count()
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -97,13 +101,18 @@ class TorchDistributedStrategy(Strategy):
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = self.device
-        if cluster.launcher_hosts_store and cluster.restart_count > 0:
-            # The launcher's store still holds the failed attempt's keys (its workers' addresses): a group
-            # formed from them would connect to dead processes. Keep each attempt's keys apart.
+        formed = next(_GROUPS_FORMED)
+        if cluster.launcher_hosts_store and (cluster.restart_count > 0 or formed > 0):
+            # The launcher's store still holds the keys of the groups formed before this one (a failed
+            # attempt's workers, or this process's previous group: a loop that tears down and sets up again,
+            # the contract suite's shared launches). A group formed from them would connect to dead or
+            # departed peers. Keep each attempt's and each group's keys apart; every rank forms its groups in
+            # the same order, so the names agree.
             shared = dist.TCPStore(
                 cluster.master_addr, cluster.master_port, cluster.world_size, is_master=False, timeout=timeout
             )
-            kwargs["store"] = dist.PrefixStore(f"stratagem/attempt-{cluster.restart_count}/", shared)
+            prefix = f"stratagem/attempt-{cluster.restart_count}/" + (f"group-{formed}/" if formed else "")
+            kwargs["store"] = dist.PrefixStore(prefix, shared)
         else:
             kwargs["init_method"] = f"tcp://{cluster.master_addr}:{cluster.master_port}"
         dist.init_process_group(
