@@ -208,6 +208,9 @@ def compiled_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
     and norms, the frames Dynamo compiled by the end of each step, and the full checkpoint's keys as written."""
     from stratagem.strategies.compiling import dynamo_counts
 
+    # As in a process of its own: a strategy certified earlier in this worker (shared launches) compiled the
+    # same blocks, and Dynamo would reuse that code instead of compiling under this strategy.
+    torch._dynamo.reset()
     start = dynamo_counts()["frames"]
     model, optimizer = build(engine, m.MODEL_SEED, compile=COMPILE)
     regions = list(engine.compiled_regions)

@@ -325,11 +325,28 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
         self._engines.clear()
         gc.collect()
         TorchDistributedStrategy.teardown(self)
+        if not torch.distributed.is_initialized():
+            _forget_groups()
 
 
 # -------------------------------------------------------------------------------------------------
 # helpers
 # -------------------------------------------------------------------------------------------------
+
+
+def _forget_groups() -> None:
+    """Drop the process groups DeepSpeed keeps in module globals once the group they came from is destroyed:
+    the next Engine in this process (a loop that sets up again, the contract suite's shared launches) would
+    otherwise hand DeepSpeed groups of a destroyed world ("Group ... is not registered")."""
+    from deepspeed.utils import groups
+
+    for name, value in list(vars(groups).items()):
+        if not (name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS"))):
+            continue
+        if isinstance(value, dict):
+            value.clear()
+        elif isinstance(value, torch.distributed.ProcessGroup):
+            setattr(groups, name, None)
 
 
 def _named_groups(wrapper: DeepSpeedModule, optimizer: Any) -> list[list[tuple[str, Any]]]:
