@@ -136,7 +136,8 @@ def main() -> None:
     print(table(rows, ["command", "median", "min-max", "vs stratagem strategies"]))
     if "lightning: list strategies" not in medians:
         print("(lightning not installed: pip install lightning==2.6.6 to add its row)")
-    worst = max(m for label, m in medians.items() if "strategies" in label and "lightning" not in label)
+    listings = ("stratagem strategies", "+ a plugin shipping its certificate")
+    worst = max(m for label, m in medians.items() if label in listings)
     verdict = "meets" if worst < 0.15 else "MISSES"
     print(f"target: median under 150 ms -> {worst * 1000:.0f} ms (the slower listing), {verdict} it")
 
