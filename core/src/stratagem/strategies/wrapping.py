@@ -27,11 +27,36 @@ def wrap(module: M) -> M:
 
 
 @contextlib.contextmanager
-def wrapping_with(function: Callable[[object], object]) -> Iterator[None]:
-    """For strategies: inside this block, :func:`wrap` calls ``function(module)``."""
+def wrapping_with(
+    function: Callable[[object], object], torch_wrap_options: str | None = None
+) -> Iterator[None]:
+    """For strategies: inside this block, :func:`wrap` calls ``function(module)``.
+
+    With ``torch_wrap_options`` (the class whose options a unit takes, named in the error), torch's own
+    ``torch.distributed.fsdp.wrap.wrap(module)`` (the import of code written for FSDP1) calls it too, and
+    refuses per-module FSDP1 arguments: every unit takes the strategy's options.
+    """
     token = _wrapper.set(function)
     try:
-        yield
+        if torch_wrap_options is None:
+            yield
+            return
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        def torch_wrap(module: object, **overrides: object) -> object:
+            if overrides:
+                from stratagem.errors import ConfigurationError
+
+                raise ConfigurationError(
+                    f"torch.distributed.fsdp.wrap.wrap({type(module).__name__}, "
+                    f"{', '.join(f'{k}=...' for k in sorted(overrides))}): per-module FSDP1 arguments have no "
+                    f"meaning under FSDP2, which shards every unit with the strategy's options. Call wrap(module) "
+                    f"or stratagem.wrap(module), and set the options on {torch_wrap_options}(...)."
+                )
+            return function(module)
+
+        with enable_wrap(wrapper_cls=torch_wrap):
+            yield
     finally:
         _wrapper.reset(token)
 

@@ -9,7 +9,6 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.fsdp.wrap import enable_wrap
 
 from stratagem import hookimpl
 from stratagem.errors import ConfigurationError
@@ -152,21 +151,8 @@ class FSDPStrategy(TorchDistributedStrategy):
 
     @hookimpl
     def model_sharded_context(self) -> ContextManager[None]:
-        stack = contextlib.ExitStack()
-        stack.enter_context(wrapping_with(self._wrap_submodule))
         # torch's own `torch.distributed.fsdp.wrap.wrap` (the seeds' import) shards just as stratagem.wrap does.
-        stack.enter_context(enable_wrap(wrapper_cls=self._torch_wrap))
-        return stack
-
-    def _torch_wrap(self, module: Any, **overrides: Any) -> Any:
-        if overrides:
-            raise ConfigurationError(
-                f"torch.distributed.fsdp.wrap.wrap({type(module).__name__}, "
-                f"{', '.join(f'{k}=...' for k in sorted(overrides))}): per-module FSDP1 arguments have no "
-                "meaning under stratagem-fsdp (FSDP2), which shards every unit with the strategy's options. "
-                "Call wrap(module) or stratagem.wrap(module), and set the options on FSDPStrategy(...)."
-            )
-        return self._wrap_submodule(module)
+        return wrapping_with(self._wrap_submodule, torch_wrap_options="FSDPStrategy")
 
     def _wrap_submodule(self, module: Any) -> Any:
         if not isinstance(module, torch.nn.Module):

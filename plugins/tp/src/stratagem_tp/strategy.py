@@ -14,7 +14,6 @@ from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp.wrap import enable_wrap
 from torch.distributed.tensor import DTensor
 
 from stratagem import hookimpl
@@ -164,21 +163,8 @@ class TPStrategy(TorchDistributedStrategy):
         # stratagem.wrap(module) marks an FSDP unit; sharding waits for wrap_model, after the TP plan.
         if not self.two_dimensional:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(wrapping_with(self._mark_unit))
         # torch's own `torch.distributed.fsdp.wrap.wrap` (the seeds' import) marks a unit too.
-        stack.enter_context(enable_wrap(wrapper_cls=self._torch_wrap))
-        return stack
-
-    def _torch_wrap(self, module: Any, **overrides: Any) -> Any:
-        if overrides:
-            raise ConfigurationError(
-                f"torch.distributed.fsdp.wrap.wrap({type(module).__name__}, "
-                f"{', '.join(f'{k}=...' for k in sorted(overrides))}): per-module FSDP1 arguments have no "
-                "meaning under fsdp_tp (FSDP2), which shards every unit with the strategy's options. Call "
-                "wrap(module) or stratagem.wrap(module), and set the options on FSDPTPStrategy(...)."
-            )
-        return self._mark_unit(module)
+        return wrapping_with(self._mark_unit, torch_wrap_options="FSDPTPStrategy")
 
     def _mark_unit(self, module: Any) -> Any:
         if not isinstance(module, torch.nn.Module):
