@@ -98,7 +98,8 @@ def test_the_hook_page_shows_wrap_models_arguments(page: Any, served_site: str) 
     assert heading.is_visible()
     entry = heading.locator("xpath=..")  # the entry: heading, signature, docstring, parameters
     signature = entry.locator(".doc-signature").inner_text()
-    assert "wrap_model(model: torch.nn.Module) -> torch.nn.Module" in " ".join(signature.split())
+    shown = " ".join(signature.replace("(", "( ").replace(")", " )").split())
+    assert "wrap_model( model: torch.nn.Module, compiler: Compiler ) -> torch.nn.Module" in shown, signature
     parameters = entry.locator("table").first
     assert parameters.is_visible()
     assert "model" in parameters.locator("tbody tr").first.inner_text()

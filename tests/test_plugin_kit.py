@@ -32,11 +32,15 @@ GENERATED = [
     ("logger", "acme_logger", None),
 ]
 BROKEN = "acme_unaveraged"
+#: The checks that compare training with one process on the global batch (eager, compiled, through the Trainer,
+#: and the evaluation of the trained model).
 TRAINING_CHECKS = {
     "test_training::test_losses_match_the_reference",
     "test_training::test_gradient_norms_match_the_reference",
     "test_training::test_parameters_match_the_reference",
     "test_training::test_the_trainer_matches_the_reference",
+    "test_training::test_evaluation_matches_the_reference",
+    "test_compile::test_compiled_training_matches_eager",
 }
 
 
@@ -190,7 +194,9 @@ def test_a_strategy_that_does_not_average_gradients_fails_training_and_its_certi
         and "says 'passed', its outcomes and declarations say 'failed'" in verify.stderr
     )
     assert f"{len(failed)} failed: " in verify.stderr
-    assert all(check in verify.stderr for check in TRAINING_CHECKS), verify.stderr
+    # The rejection names the failed checks (the first six of them).
+    named = [check for check in failed if check in verify.stderr]
+    assert len(named) == min(len(failed), 6), verify.stderr
 
 
 @pytest.mark.multiprocess
