@@ -59,7 +59,17 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str
     junit = work / "report.xml"
     # The `stratagem` console script, run by this interpreter.
     cli = "import sys; from stratagem.cli import main; sys.exit(main())"
-    command = [sys.executable, "-c", cli, "contract", "single_device", ZERO, *BROKEN, BAD_OPTION]
+    command = [
+        sys.executable,
+        "-c",
+        cli,
+        "contract",
+        "single_device",
+        ZERO,
+        *BROKEN,
+        BAD_OPTION,
+        "--share-launches",
+    ]
     completed = subprocess.run(
         [*command, f"--pytest-args=--junitxml={junit} -q"],
         cwd=work,
