@@ -54,7 +54,17 @@ def test_the_same_script_trains_alike_under_python_torchrun_and_stratagem_run(tm
     results = {
         "python": _run([sys.executable], tmp_path, "python"),
         "torchrun": _run(
-            [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"], tmp_path, "torchrun"
+            # Its log folder under tmp_path: torchrun's default is a new /tmp/torchelastic_* per run.
+            [
+                str(BIN / "torchrun"),
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                "--log-dir",
+                str(tmp_path / "logs"),
+            ],
+            tmp_path,
+            "torchrun",
         ),
         "stratagem run": _run([str(BIN / "stratagem"), "run", "--devices", "2"], tmp_path, "run"),
         "stratagem run, 2 nodes": _two_nodes(tmp_path),
