@@ -4,7 +4,8 @@ it, train under every sharded strategy on 2 processes and match the one-process 
 Both models hold parameters at the root, outside any wrapped block (the README model's ``net`` is one
 ``Sequential``; GPT-2's embeddings and head), and their steps call submodules directly: under a strategy that
 shards in place (FSDP2), the root's parameters are gathered only when the Trainer calls into the model through
-its ``__call__``. One launch per strategy trains both models.
+its ``__call__``. One launch per family (torch's, DeepSpeed's) trains both models under each of its
+strategies in turn.
 """
 
 from __future__ import annotations
@@ -27,29 +28,47 @@ HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs transformers (requirements-test.txt)")
 
 
-def _train(strategy: str, devices: int, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+def _train(strategies: list[str], devices: int, out: Path) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    """``{strategy: {"net"|"gpt": state dict}}``: one process on the global batch, or one launch of 2 workers
+    (``stratagem run``) that trains every strategy given, one after the other."""
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    command = [
-        sys.executable,
-        str(SCRIPT),
-        "--strategy",
-        strategy,
-        "--devices",
-        str(devices),
-        "--out",
-        str(out),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
+    script = [str(SCRIPT), "--strategy", ",".join(strategies), "--devices", str(devices), "--out", str(out)]
+    prefix = (
+        [sys.executable] if devices == 1 else [sys.executable, "-m", "stratagem", "run", "--devices", "2"]
+    )
+    done = subprocess.run([*prefix, *script], capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     # A full checkpoint: its "model" entry maps each module of the saved state ("model") to its state dict.
     return {
-        kind: torch.load(out / f"{kind}.ckpt", weights_only=True)["model"]["model"] for kind in ("net", "gpt")
+        strategy: {
+            kind: torch.load(out / strategy / f"{kind}.ckpt", weights_only=True)["model"]["model"]
+            for kind in ("net", "gpt")
+        }
+        for strategy in strategies
     }
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
-    return _train("single_device", 1, tmp_path_factory.mktemp("single"))
+    return _train(["single_device"], 1, tmp_path_factory.mktemp("single"))["single_device"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory):
+    """One launch per family, made when a test first asks for one of its strategies. DeepSpeed has a family
+    of its own: it patches torch in the processes it runs in."""
+    done: dict[str, dict] = {}
+
+    def get(strategy: str) -> dict[str, dict[str, torch.Tensor]]:
+        family = "deepspeed" if strategy.startswith("deepspeed") else "torch"
+        if family not in done:
+            names = [
+                p.values[0] for p in STRATEGIES if p.values[0].startswith("deepspeed") == (family != "torch")
+            ]
+            done[family] = _train(names, 2, tmp_path_factory.mktemp(family))
+        return done[family][strategy]
+
+    return get
 
 
 def _relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -82,8 +101,8 @@ STRATEGIES = [
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_user_models_match_one_process(strategy: str, reference: dict, tmp_path: Path) -> None:
-    trained = _train(strategy, 2, tmp_path)
+def test_user_models_match_one_process(strategy: str, reference: dict, trained) -> None:
+    trained = trained(strategy)
     initial = _train_initial_distance(reference)
     for kind in ("net", "gpt"):
         distance = _relative(trained[kind], reference[kind])

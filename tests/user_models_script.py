@@ -5,7 +5,10 @@ ends with a full checkpoint that the tests compare with the one-process run.
 - ``gpt``: a Hugging Face ``GPT2LMHeadModel`` from a tiny config (no download), held as ``self.gpt`` and
   called from ``training_step``; its embeddings and head sit at the root, outside any block.
 
-    python user_models_script.py --strategy fsdp --devices 2 --out DIR
+    python user_models_script.py --strategy single_device --devices 1 --out DIR
+    stratagem run --devices 2 user_models_script.py --strategy fsdp,hsdp --devices 2 --out DIR
+
+Several strategies (comma-separated) train one after the other in the same processes, each in ``DIR/NAME``.
 """
 
 from __future__ import annotations
@@ -74,25 +77,27 @@ def data(kind: str) -> TensorDataset:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--strategy", required=True)
+    p.add_argument("--strategy", required=True, help="a strategy name, or several separated by commas")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.use_deterministic_algorithms(True)
     batch = PER_RANK_BATCH * (2 if args.devices == 1 else 1)  # the one-process run takes the global batch
-    for kind, build in (("net", LM), ("gpt", TinyGPT)):
-        torch.manual_seed(0)
-        trainer = sg.Trainer(
-            strategy=args.strategy,
-            accelerator="cpu",
-            devices=args.devices,
-            max_steps=STEPS,
-            default_root_dir=Path(args.out) / kind,
-            enable_progress_bar=False,
-            seed=0,
-        )
-        trainer.fit(build(), DataLoader(data(kind), batch_size=batch))
-        trainer.save_checkpoint(Path(args.out) / f"{kind}.ckpt", format="full")
+    for strategy in args.strategy.split(","):
+        out = Path(args.out) / strategy
+        for kind, build in (("net", LM), ("gpt", TinyGPT)):
+            torch.manual_seed(0)
+            trainer = sg.Trainer(
+                strategy=strategy,
+                accelerator="cpu",
+                devices=args.devices,
+                max_steps=STEPS,
+                default_root_dir=out / kind,
+                enable_progress_bar=False,
+                seed=0,
+            )
+            trainer.fit(build(), DataLoader(data(kind), batch_size=batch))
+            trainer.save_checkpoint(out / f"{kind}.ckpt", format="full")
 
 
 if __name__ == "__main__":
