@@ -123,14 +123,16 @@ def test_certified(certificates: Any, family: str, name: str) -> None:
     assert set(skipped) <= {"checkpoint_formats", "precisions", "accelerators", "compile"}, skipped
 
 
-LAUNCHER_PACKAGES = ("stratagem", "stratagem-ray")
+#: The core's launchers. stratagem-ray's and stratagem-slurm's are certified in their own tests, on the Ray and
+#: SLURM clusters those tests start.
+LAUNCHER_PACKAGES = ("stratagem",)
 LAUNCHERS = sorted(
     name for name, info in get_registry().launchers.items() if info.plugin.distribution in LAUNCHER_PACKAGES
 )
 
 
 def test_every_repository_launcher_is_certified() -> None:
-    assert set(LAUNCHERS) >= {"elastic", "ray"}, f"launchers of the repository's packages: {LAUNCHERS}"
+    assert "elastic" in LAUNCHERS, f"launchers of the repository's packages: {LAUNCHERS}"
 
 
 @pytest.mark.multiprocess

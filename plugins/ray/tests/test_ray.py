@@ -1,14 +1,15 @@
 """The ``ray`` launcher on real Ray clusters (CPU): the same script gives the same parameters as under torch's
 elastic agent; two Ray nodes get one worker each; an existing cluster is used and left running, a local one is
 started and stopped, leaving nothing in the temporary directory; a killed worker restarts the group; bad input
-fails before any worker starts.
+fails before any worker starts; the contract suite certifies the launcher.
 
-One ``ray start --head`` cluster serves the module (a Ray cluster takes seconds to start); the local-cluster
-and two-node tests start their own.
+One running two-node cluster serves the module (a Ray cluster takes seconds to start); the local-cluster test
+starts its own, through the launcher.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -69,32 +70,25 @@ def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return (num / sum(float(b[k].double().norm() ** 2) for k in b)) ** 0.5
 
 
+#: The module's cluster: two nodes (a head and a second raylet on this machine), three CPUs each.
+NODE_CPUS, NODES = 3, 2
+
+
 @pytest.fixture(scope="module")
-def existing_cluster(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A Ray cluster started here with `ray start --head`, as a user's would be."""
-    ray = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-    temp = tmp_path_factory.mktemp("ray")
-    port = 20000 + os.getpid() % 20000
-    started = subprocess.run(
-        [
-            ray,
-            "start",
-            "--head",
-            f"--port={port}",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            f"--temp-dir={temp}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert started.returncode == 0, started.stderr[-3000:]
+def existing_cluster() -> str:
+    """A running two-node Ray cluster that stratagem is given by its address, as a user's would be
+    (``ray.cluster_utils.Cluster``: a head and a second raylet on this machine). One cluster serves the
+    module: a Ray cluster takes seconds to start."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS})
+    for _ in range(NODES - 1):
+        cluster.add_node(num_cpus=NODE_CPUS)
     try:
-        yield f"127.0.0.1:{port}"
+        cluster.wait_for_nodes()
+        yield cluster.address
     finally:
-        subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
+        cluster.shutdown()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -131,7 +125,7 @@ def test_the_same_script_gives_the_same_parameters_on_ray(
         text=True,
         timeout=120,
     )
-    assert status.returncode == 0 and "2.0" in status.stdout, status.stderr[-2000:]
+    assert status.returncode == 0 and f"{float(NODES * NODE_CPUS)}" in status.stdout, status.stderr[-2000:]
 
 
 def test_a_killed_worker_restarts_the_group_and_the_run_ends_as_if_uninterrupted(
@@ -157,10 +151,12 @@ def test_bad_input_fails_before_any_worker_starts(existing_cluster: str, tmp_pat
     assert unreachable.returncode != 0
     assert "Ray cluster at '127.0.0.1:9' cannot be reached" in unreachable.stderr, unreachable.stderr[-2000:]
     too_many = _run(
-        tmp_path / "b", "--launcher", "ray", "--devices", "3", env={"RAY_ADDRESS": existing_cluster}
+        tmp_path / "b",
+        *("--launcher", "ray", "--devices", "7", "--num-nodes", "1"),
+        env={"RAY_ADDRESS": existing_cluster},
     )
     assert too_many.returncode != 0
-    assert "3 worker(s) with 1 CPU each need 3 CPU; the Ray cluster has 2 CPU" in too_many.stderr, (
+    assert "7 worker(s) with 1 CPU each need 7 CPU; the Ray cluster has 6 CPU" in too_many.stderr, (
         too_many.stderr[-2000:]
     )
     assert not (tmp_path / "a" / "out.rank0").exists() and not (tmp_path / "b" / "out.rank0").exists()
@@ -184,34 +180,18 @@ def test_a_local_cluster_is_started_and_stopped(tmp_path: Path) -> None:
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_two_ray_nodes_get_one_worker_each(tmp_path: Path) -> None:
-    """A real two-node cluster on this machine (ray.cluster_utils.Cluster: a head and a second raylet), three
-    CPUs each: one worker per node, then two per node (a node's ranks together, as under torchrun; packing the
-    four workers would put three on one node)."""
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
-    cluster.add_node(num_cpus=3)
-    try:
-        cluster.wait_for_nodes()
-        env = {"RAY_ADDRESS": cluster.address}
-        two = _run(tmp_path / "two", "--launcher", "ray", "--devices", "1", "--num-nodes", "2", env=env)
-        assert two.returncode == 0, two.stderr[-3000:]
-        four = _run(
-            tmp_path / "four",
-            "--launcher",
-            "ray",
-            "--devices",
-            "2",
-            "--num-nodes",
-            "2",
-            "--steps",
-            "1",
-            env=env,
-        )
-        assert four.returncode == 0, four.stderr[-3000:]
-    finally:
-        cluster.shutdown()
+def test_two_ray_nodes_get_one_worker_each(existing_cluster: str, tmp_path: Path) -> None:
+    """The module's two nodes, three CPUs each: one worker per node, then two per node (a node's ranks
+    together, as under torchrun; packing the four workers would put three on one node)."""
+    env = {"RAY_ADDRESS": existing_cluster}
+    two = _run(tmp_path / "two", "--launcher", "ray", "--devices", "1", "--num-nodes", "2", env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    four = _run(
+        tmp_path / "four",
+        *("--launcher", "ray", "--devices", "2", "--num-nodes", "2", "--steps", "1"),
+        env=env,
+    )
+    assert four.returncode == 0, four.stderr[-3000:]
     nodes = {_result(tmp_path / "two", rank)["node_id"] for rank in (0, 1)}
     assert len(nodes) == 2 and None not in nodes, nodes
     by_rank = [_result(tmp_path / "four", rank)["node_id"] for rank in range(4)]
@@ -219,3 +199,26 @@ def test_two_ray_nodes_get_one_worker_each(tmp_path: Path) -> None:
     one = _run(tmp_path / "one")
     assert one.returncode == 0, one.stderr[-3000:]
     assert _relative(_result(tmp_path / "two")["params"], _result(tmp_path / "one")["params"]) < 1e-6
+
+
+def test_the_launcher_contract_certifies_ray(existing_cluster: str, tmp_path: Path) -> None:
+    """The contract suite's launcher section (a function job returns rank 0's result, a raising rank is named,
+    a script job gets the rank environment), as ``stratagem contract --launcher ray --report`` on the running
+    cluster; the certificate's verdict is recomputed from its outcomes."""
+    from stratagem.contract import _certificate as certificate
+
+    report = tmp_path / "certificate.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "stratagem", "contract", "--launcher", "ray", "--report", str(report)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "RAY_ADDRESS": existing_cluster},
+    )
+    assert done.returncode == 0 and report.exists(), done.stdout[-6000:] + done.stderr[-3000:]
+    [subject] = json.loads(report.read_text())["subjects"]
+    assert (subject["kind"], subject["name"], subject["distribution"]) == ("launcher", "ray", "stratagem-ray")
+    assert certificate.recompute(subject)[0] == "passed"
+    outcomes = {check["check"]: check["outcome"] for check in subject["checks"]}
+    assert len(outcomes) >= 4 and set(outcomes.values()) == {"passed"}, outcomes
