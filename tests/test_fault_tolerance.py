@@ -54,6 +54,11 @@ def test_random_kills_end_with_the_uninterrupted_parameters(tmp_path: Path, stra
         assert torch.equal(got["params"][name], value), f"seed {seed}, kills {schedule}: {name} differs"
 
 
+#: torch's c10d rendezvous: a node that stops sending keep-alives is dropped after interval x attempts (5 s x 3
+#: by default); 1 s x 3 here, so the survivor re-forms the group sooner.
+RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_lost_node_leaves_the_other_to_finish_at_the_smaller_world_size(tmp_path: Path) -> None:
@@ -78,7 +83,7 @@ def test_a_lost_node_leaves_the_other_to_finish_at_the_smaller_world_size(tmp_pa
         "--max-restarts",
         "2",
     ]
-    run += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=2", str(SCRIPT)]
+    run += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", RDZV_CONF, str(SCRIPT)]
     run += [
         "--strategy",
         "fsdp",
