@@ -112,7 +112,10 @@ def build(
     containers = {b.rsplit(".", 1)[0] if "." in b else "" for b in split.blocks}
 
     def cut(keep: set[str]) -> _Cut:
-        return _Cut(keep=keep, above=ancestors(keep), placed=placed, containers=containers)
+        # A block container (and the modules on the way to it) stays a container even on a stage holding none
+        # of its blocks (a stage of the embedding alone): the forward's loop over it then runs no block.
+        above = ancestors(keep) | {c for c in containers if c} | ancestors(containers)
+        return _Cut(keep=keep, above=above, placed=placed, containers=containers)
 
     views = []
     for index in local:
