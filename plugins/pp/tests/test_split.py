@@ -162,7 +162,12 @@ def test_a_stage_without_blocks_keeps_an_empty_block_container() -> None:
     # The contract model's four-stage plan: the embedding alone, one block each, the norm and head. A stage
     # without blocks must still loop over a container (an empty one), not over a Skipped module.
     model = w.make_model()
-    plan = [["embed"], [f"blocks.{i}" for i in range(4)], [f"blocks.{i}" for i in range(4, 8)], ["norm", "head"]]
+    plan = [
+        ["embed"],
+        [f"blocks.{i}" for i in range(4)],
+        [f"blocks.{i}" for i in range(4, 8)],
+        ["norm", "head"],
+    ]
     split = _split.resolve(plan, model, 4)
     holder, views = _stage.build(copy.deepcopy(model), split, [0, 3])
     for module in (holder, *views):

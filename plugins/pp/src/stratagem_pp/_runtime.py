@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.errors import ConfigurationError
+from stratagem.strategies.step import as_inputs
 from stratagem_pp import _config, _schedules
 from stratagem_pp._split import Split
 
@@ -137,8 +138,30 @@ class Pipeline:
             value /= dist.get_world_size(self.replica_group)
         return value
 
+    def predict(self, batch: Any, split_batch: Callable[[Any], tuple[Any, Any]]) -> Any:
+        """Forward only, for ``Trainer.predict``: the last stage's outputs on every rank of the pipeline (on
+        CPU), so that the first rank of each data-parallel replica, a first stage, returns them as other
+        strategies do. A batch of inputs alone (a tensor, or a one-item list from a ``TensorDataset``) needs no
+        split."""
+        if isinstance(batch, torch.Tensor) or (isinstance(batch, (tuple, list)) and len(batch) == 1):
+            inputs = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        else:
+            inputs = as_inputs(split_batch(batch)[0])
+        outputs = self.eval_step(inputs).outputs
+        box = [_to_cpu(outputs) if self.has_last else None]
+        dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
+        return box[0]
+
     def clear(self) -> None:
         self.stages, self.schedule = [], None
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def _stage_class() -> type:

@@ -151,10 +151,6 @@ def tensor_outputs(output: Any) -> Any:
 
 
 def _return_tensors(view: torch.nn.Module) -> None:
-    # On the view only: the user's model keeps its own forward.
-    forward = view.forward
-
-    def stage_forward(*args: Any, **kwargs: Any) -> Any:
-        return tensor_outputs(forward(*args, **kwargs))
-
-    view.forward = stage_forward  # type: ignore[method-assign]
+    # A hook on the view only (the user's model keeps its forward), and one that survives the view's forward
+    # being compiled in place (compile=, when a stage is compiled whole).
+    view.register_forward_hook(lambda module, args, output: tensor_outputs(output))
