@@ -156,8 +156,9 @@ def error_of(function: Any) -> str | None:
 
 
 def compiled_then_predicted(root: str) -> dict[str, Any]:
-    """Interleaved 1F1B (2 stages per rank) with activation checkpointing and ``compile=`` (aot_eager): what
-    each rank compiled, then ``Trainer.predict`` on batches of tokens alone (the last stage on rank 1)."""
+    """Zero bubble (2 stages per rank, split backward) with activation checkpointing and ``compile=``
+    (aot_eager): what each rank compiled; a full checkpoint (stages 0 and 2 on rank 0: names out of model
+    order there); then ``Trainer.predict`` on batches of tokens alone (the last stage on rank 1)."""
     import torch._dynamo
     import torch.distributed as dist
 
@@ -166,7 +167,7 @@ def compiled_then_predicted(root: str) -> dict[str, Any]:
 
     torch._dynamo.reset()
     start = dynamo_counts()["frames"]
-    strategy = PPStrategy(schedule="interleaved_1f1b", activation_checkpointing_policy={w.Block})
+    strategy = PPStrategy(schedule="zero_bubble", activation_checkpointing_policy={w.Block})
     result = fit(strategy, 2, root, compile={"backend": "aot_eager"})
     t = result["trainer"]
     mine = {
@@ -176,6 +177,16 @@ def compiled_then_predicted(root: str) -> dict[str, Any]:
     }
     result["ranks"] = [None] * dist.get_world_size()
     dist.all_gather_object(result["ranks"], mine)
+    full = f"{root}/full.ckpt"
+    t.save_checkpoint(full, format="full")
+    if dist.get_rank() == 0:
+        payload = torch.load(full, weights_only=True)
+        optimizer = payload["optimizers"]["optimizer"]
+        result["full_order"] = {
+            "model": [w.clean(k) for k in payload["model"]["model"]],
+            "optimizer_state": [w.clean(k) for k in optimizer["state"]],
+            "optimizer_groups": [[w.clean(k) for k in g["params"]] for g in optimizer["param_groups"]],
+        }
     tokens = torch.cat([x for x, _ in w.batches()[:2]])
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=w.GLOBAL_BATCH)
     result.update(predictions=t.predict(dataloaders=loader), predict_tokens=tokens)

@@ -125,6 +125,15 @@ def test_compiled_stages_match_one_eager_process(run2: dict, ref: dict) -> None:
     assert sorted(result["params"]) == sorted(ref["params"])
 
 
+def test_a_full_checkpoint_lists_names_in_the_models_order(run2: dict) -> None:
+    # Rank 0 held stages 0 and 2: merged rank by rank, blocks 4-5 would come before blocks 2-3, and an optimizer
+    # state loaded by position elsewhere (single_device) would give each parameter another's moments.
+    order = _ok(run2, "compiled")["full_order"]
+    names = [n for n, _ in w.make_model().named_parameters()]
+    assert order["model"] == list(w.make_model().state_dict())
+    assert order["optimizer_state"] == names and order["optimizer_groups"] == [names]
+
+
 def test_predict_returns_the_last_stages_outputs_on_rank_zero(run2: dict, ref: dict) -> None:
     result = _ok(run2, "compiled")
     predictions = result["predictions"]

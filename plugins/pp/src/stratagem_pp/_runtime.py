@@ -8,8 +8,9 @@ last stage only; both steps broadcast their mean over the micro-batches to every
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ContextManager
 
 import attrs
 import torch
@@ -97,7 +98,8 @@ class Pipeline:
         self._begin(inputs, loss_fn, scale)
         losses: list[torch.Tensor] = []
         try:
-            outputs = self.schedule.step(*inputs, target=targets, losses=losses)
+            with self._split_backward_config():
+                outputs = self.schedule.step(*inputs, target=targets, losses=losses)
         finally:
             self._loss_fn = None
         return StepResult(loss=self._mean_loss(losses, scale), outputs=outputs)
@@ -121,6 +123,16 @@ class Pipeline:
         finally:
             self._loss_fn = None
         return StepResult(loss=self._mean_loss(losses, 1.0) if wanted else None, outputs=outputs)
+
+    def _split_backward_config(self) -> ContextManager[Any]:
+        """Zero-bubble schedules run backward twice over a stage's graph (input gradients keeping the graph,
+        weight gradients later): AOTAutograd's donated buffers (``compile=``) refuse a backward that keeps the
+        graph, so code compiled inside their step is compiled without them."""
+        if not _schedules.SCHEDULES[self.schedule_name].splits_backward:
+            return contextlib.nullcontext()
+        import torch._functorch.config
+
+        return torch._functorch.config.patch(donated_buffer=False)
 
     def _mean_loss(self, losses: list[torch.Tensor], scale: float) -> torch.Tensor:
         # The schedule records what the loss function returned, the scaled loss (and, on the first step, not
