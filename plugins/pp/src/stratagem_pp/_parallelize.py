@@ -77,6 +77,10 @@ def compile_stage(view: torch.nn.Module, regions: list[str] | None, compiler: Co
     # Called, even on a stage none of whose modules is a region (the embedding alone): the Engine checks it.
     compiler.called = True
     mine = [n for n in regions if _in_view(view, n)]
+    if not mine and compiler.options.regional is None:
+        # A stage without blocks (the embedding alone; under a V schedule, rank 0's first and last stages):
+        # compiled whole, as a model without repeated blocks is. Named regions (regional=) compile only them.
+        return compiler(view)
     whole = Compiler(attrs.evolve(compiler.options, regional=False))
     names = [name for n in mine for name in whole(view.get_submodule(n), prefix=n)]
     compiler.regions += names
