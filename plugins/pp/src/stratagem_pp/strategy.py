@@ -157,7 +157,7 @@ class PPStrategy(TorchDistributedStrategy):
         tp = self.check_tensor_parallel(model)
         regions = _parallelize.compile_regions(model, compiler)
         # 2. The stage views and the pruned model (the holder), sharing this rank's modules.
-        order = list(model.state_dict(keep_vars=True))
+        keys = list(model.state_dict(keep_vars=True))
         holder, views = _stage.build(model, split, local)
         self.applied = {
             "split": split,
@@ -166,7 +166,7 @@ class PPStrategy(TorchDistributedStrategy):
             "tp_styles": {},
             "checkpointed": 0,
             "compiled": {},
-            "order": order,  # the whole model's state-dict keys: checkpoints list names in this order
+            "order": keys,  # the whole model's state-dict keys: checkpoints list names in this order
         }
         for index, view in zip(local, views):
             # 3. Per stage: tensor parallel, activation checkpointing, compile, FSDP (as the dimensions allow).
