@@ -155,6 +155,44 @@ def error_of(function: Any) -> str | None:
     return None
 
 
+def compiled_then_predicted(root: str) -> dict[str, Any]:
+    """Zero bubble (2 stages per rank, split backward) with activation checkpointing and ``compile=``
+    (aot_eager): what each rank compiled; a full checkpoint (stages 0 and 2 on rank 0: names out of model
+    order there); then ``Trainer.predict`` on batches of tokens alone (the last stage on rank 1)."""
+    import torch._dynamo
+    import torch.distributed as dist
+
+    from stratagem.strategies.compiling import dynamo_counts
+    from stratagem_pp import PPStrategy
+
+    torch._dynamo.reset()
+    start = dynamo_counts()["frames"]
+    strategy = PPStrategy(schedule="zero_bubble", activation_checkpointing_policy={w.Block})
+    result = fit(strategy, 2, root, compile={"backend": "aot_eager"})
+    t = result["trainer"]
+    mine = {
+        "regions": list(t.engine.compiled_regions),
+        "by_stage": t.strategy.applied["compiled"],
+        "frames": dynamo_counts()["frames"] - start,
+    }
+    result["ranks"] = [None] * dist.get_world_size()
+    dist.all_gather_object(result["ranks"], mine)
+    full = f"{root}/full.ckpt"
+    t.save_checkpoint(full, format="full")
+    if dist.get_rank() == 0:
+        payload = torch.load(full, weights_only=True)
+        optimizer = payload["optimizers"]["optimizer"]
+        result["full_order"] = {
+            "model": [w.clean(k) for k in payload["model"]["model"]],
+            "optimizer_state": [w.clean(k) for k in optimizer["state"]],
+            "optimizer_groups": [[w.clean(k) for k in g["params"]] for g in optimizer["param_groups"]],
+        }
+    tokens = torch.cat([x for x, _ in w.batches()[:2]])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=w.GLOBAL_BATCH)
+    result.update(predictions=t.predict(dataloaders=loader), predict_tokens=tokens)
+    return done(result)
+
+
 class StepOnly(w.TinyLM, sg.Module):
     """A module written with a training step only: a pipeline cannot call it."""
 
@@ -213,6 +251,7 @@ def two_process_checks(engine: sg.Engine, root: str) -> dict[str, Any]:
         ),
     )
     w.guard(out, "engine_loop", lambda: engine_loop(PPStrategy(schedule="gpipe"), 2))
+    w.guard(out, "compiled", lambda: compiled_then_predicted(f"{root}/compiled"))
     out["bad"] = {
         "microbatches": refused(PPStrategy(microbatches=3), f"{root}/bad1"),
         "step_only": refused(PPStrategy(), f"{root}/bad2", StepOnly),

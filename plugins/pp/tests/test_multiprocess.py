@@ -109,6 +109,45 @@ def test_a_custom_loop_through_engine_train_batch(run2: dict, ref: dict) -> None
     _matches(_ok(run2, "engine_loop"), ref)
 
 
+def test_compiled_stages_match_one_eager_process(run2: dict, ref: dict) -> None:
+    result = _ok(run2, "compiled")
+    _matches(result, ref)
+    assert result["checkpointed"] == 4  # rank 0: stages 0 and 2 of 4, two blocks each, recomputed in backward
+    blocks = {0: ["blocks.0", "blocks.1"], 1: ["blocks.2", "blocks.3"], 2: ["blocks.4", "blocks.5"]}
+    blocks[3] = ["blocks.6", "blocks.7"]
+    # Each rank compiled the blocks of its own stages, stage by stage, and Dynamo compiled frames there.
+    for rank, (first, second) in enumerate([(0, 2), (1, 3)]):
+        seen = result["ranks"][rank]
+        assert seen["by_stage"] == {first: blocks[first], second: blocks[second]}
+        assert seen["regions"] == blocks[first] + blocks[second]
+        assert seen["frames"] >= 1
+    # Parameter names stay the plain model's (no _orig_mod, no checkpoint wrapper in them).
+    assert sorted(result["params"]) == sorted(ref["params"])
+
+
+def test_a_full_checkpoint_lists_names_in_the_models_order(run2: dict) -> None:
+    # Rank 0 held stages 0 and 2: merged rank by rank, blocks 4-5 would come before blocks 2-3, and an optimizer
+    # state loaded by position elsewhere (single_device) would give each parameter another's moments.
+    order = _ok(run2, "compiled")["full_order"]
+    names = [n for n, _ in w.make_model().named_parameters()]
+    assert order["model"] == list(w.make_model().state_dict())
+    assert order["optimizer_state"] == names and order["optimizer_groups"] == [names]
+
+
+def test_predict_returns_the_last_stages_outputs_on_rank_zero(run2: dict, ref: dict) -> None:
+    result = _ok(run2, "compiled")
+    predictions = result["predictions"]
+    assert [p.shape for p in predictions] == [(w.GLOBAL_BATCH, w.SEQUENCE, w.VOCAB)] * 2
+    trained = w.make_model()
+    trained.load_state_dict(result["params"])
+    with torch.no_grad():
+        expected = trained(result["predict_tokens"])
+        untrained = w.make_model()(result["predict_tokens"])
+    got = torch.cat(predictions)
+    assert float((got - expected).abs().max()) < 1e-8 * float(expected.abs().max())
+    assert float((untrained - expected).abs().max()) > 1e-2 * float(expected.abs().max())
+
+
 @pytest.mark.parametrize("key", ["pp4/1f1b", "pp4/interleaved_1f1b"])
 def test_pp_on_four_processes_matches_one_process(run4: dict, ref: dict, key: str) -> None:
     result = _ok(run4, key)

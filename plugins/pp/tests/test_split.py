@@ -158,6 +158,25 @@ def test_running_the_stages_in_turn_is_the_whole_forward(stages: int) -> None:
         assert torch.equal(run_stages(model, _split.resolve(None, model, stages), tokens), model(tokens))
 
 
+def test_a_stage_without_blocks_keeps_an_empty_block_container() -> None:
+    # The contract model's four-stage plan: the embedding alone, one block each, the norm and head. A stage
+    # without blocks must still loop over a container (an empty one), not over a Skipped module.
+    model = w.make_model()
+    plan = [
+        ["embed"],
+        [f"blocks.{i}" for i in range(4)],
+        [f"blocks.{i}" for i in range(4, 8)],
+        ["norm", "head"],
+    ]
+    split = _split.resolve(plan, model, 4)
+    holder, views = _stage.build(copy.deepcopy(model), split, [0, 3])
+    for module in (holder, *views):
+        assert isinstance(module.blocks, torch.nn.ModuleList) and len(module.blocks) == 0
+    tokens = torch.randint(w.VOCAB, (3, 5))
+    with torch.no_grad():
+        assert torch.equal(run_stages(model, split, tokens), model(tokens))
+
+
 def test_the_holder_keeps_this_ranks_parameters_under_their_names() -> None:
     model = w.make_model()
     originals = dict(model.named_parameters())

@@ -91,7 +91,12 @@ class Evaluation:
         if batch_idx == 0 and self.engine.is_global_zero and _overrides(module, f"{stage}_step"):
             warnings.warn(
                 f"{type(module).__name__}.{stage}_step is not called: strategy {self.engine.strategy_name!r} runs "
-                "forward itself (over its stages); the loss from compute_loss is logged instead.",
+                "forward itself (over its stages)"
+                + (
+                    "; its outputs are the predictions."
+                    if stage == "predict"
+                    else "; the loss from compute_loss is logged instead."
+                ),
                 stacklevel=2,
             )
         if owned.loss is not None:

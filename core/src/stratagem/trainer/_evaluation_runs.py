@@ -174,8 +174,8 @@ class EvaluationRuns:
             with torch.no_grad():
                 for batch_idx, batch in enumerate(loader):
                     batch = batch_for(batch, self.engine.device, self.engine.precision)
-                    with self.engine.forward_context():
-                        output = self._call("predict_step", batch, batch_idx)
+                    # predict_step, or the strategy's own forward-only run (a pipeline's, over its stages).
+                    output = self._evaluate_batch(batch, batch_idx, "predict")
                     outputs.append(_predictions.to_cpu(output))
         finally:
             self.model.train(was_training)
@@ -214,4 +214,5 @@ class EvaluationRuns:
         def _run_validation(self, loader: Any, epoch: int | None = None) -> dict[str, float]: ...
         def _run_evaluation(self, loader: Any, stage: str, epoch: int | None = None) -> dict[str, float]: ...
         def _call(self, method: str, *args: Any) -> Any: ...
+        def _evaluate_batch(self, batch: Any, batch_idx: int, stage: str) -> Any: ...
         def print(self, *args: Any) -> None: ...

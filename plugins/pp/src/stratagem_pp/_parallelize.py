@@ -1,15 +1,18 @@
 """The steps applied to each stage view, in torchtitan's order: tensor parallelism on the ``tp`` mesh,
-activation checkpointing, then ``fully_shard`` over the ``dp`` mesh (the stage's blocks as units, the view as
-the root, which ``torch.distributed.pipelining`` recognises to synchronise gradients once per step)."""
+activation checkpointing, compile (each of the stage's blocks, with its checkpointing inside), then
+``fully_shard`` over the ``dp`` mesh (the stage's blocks as units, the view as the root, which
+``torch.distributed.pipelining`` recognises to synchronise gradients once per step)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from stratagem.errors import ConfigurationError
+from stratagem.strategies.compiling import Compiler
 from stratagem_fsdp import _wrap
 from stratagem_fsdp._policy import Policy
 from stratagem_pp._split import Split, inside
@@ -51,6 +54,44 @@ def tensor_parallel(
 
 def checkpoint_activations(view: torch.nn.Module, policy: Policy | None) -> int:
     return len(_wrap.checkpoint_activations(view, policy))
+
+
+def compile_regions(model: torch.nn.Module, compiler: Compiler) -> list[str] | None:
+    """The regions ``compile=`` chooses in the whole model, before the split (``None``: compile each stage view
+    whole). Chosen on the whole model because a stage may hold a single block, which alone does not repeat."""
+    if not compiler.enabled:
+        return []
+    from stratagem.strategies import _regions
+
+    assert compiler.options is not None
+    found = [name for name, _ in _regions.find_regions(model, compiler.options.regional)]
+    return None if "" in found else found
+
+
+def compile_stage(view: torch.nn.Module, regions: list[str] | None, compiler: Compiler) -> list[str]:
+    """Compile this stage's share of ``regions`` in place, each whole (its names stay the model's); return the
+    names compiled. The compiler is called on every stage, so that the Engine sees it was (a no-op when the run
+    does not compile)."""
+    if regions is None or compiler.options is None:
+        return compiler(view)
+    # Called, even on a stage none of whose modules is a region (the embedding alone): the Engine checks it.
+    compiler.called = True
+    mine = [n for n in regions if _in_view(view, n)]
+    if not mine and compiler.options.regional is None:
+        # A stage without blocks (the embedding alone; under a V schedule, rank 0's first and last stages):
+        # compiled whole, as a model without repeated blocks is. Named regions (regional=) compile only them.
+        return compiler(view)
+    whole = Compiler(attrs.evolve(compiler.options, regional=False))
+    names = [name for n in mine for name in whole(view.get_submodule(n), prefix=n)]
+    compiler.regions += names
+    return names
+
+
+def _in_view(view: torch.nn.Module, name: str) -> bool:
+    try:
+        return not isinstance(view.get_submodule(name), Skipped)
+    except AttributeError:
+        return False
 
 
 def stage_blocks(view: torch.nn.Module, split: Split, index: int) -> list[torch.nn.Module]:

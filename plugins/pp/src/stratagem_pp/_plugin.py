@@ -15,6 +15,9 @@ def _capabilities(min_world_size: int) -> Capabilities:
         # dtypes under autocast are untested here.
         precisions={"32-true"},
         checkpoint_formats={"full", "sharded"},
+        # Each stage compiled after the split and its activation checkpointing (the contract's compile section
+        # passes for every schedule).
+        compile=True,
         min_world_size=min_world_size,
         max_world_size=None,
     )

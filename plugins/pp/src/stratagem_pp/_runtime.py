@@ -8,14 +8,16 @@ last stage only; both steps broadcast their mean over the micro-batches to every
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ContextManager
 
 import attrs
 import torch
 import torch.distributed as dist
 
 from stratagem.errors import ConfigurationError
+from stratagem.strategies.step import as_inputs
 from stratagem_pp import _config, _schedules
 from stratagem_pp._split import Split
 
@@ -96,7 +98,8 @@ class Pipeline:
         self._begin(inputs, loss_fn, scale)
         losses: list[torch.Tensor] = []
         try:
-            outputs = self.schedule.step(*inputs, target=targets, losses=losses)
+            with self._split_backward_config():
+                outputs = self.schedule.step(*inputs, target=targets, losses=losses)
         finally:
             self._loss_fn = None
         return StepResult(loss=self._mean_loss(losses, scale), outputs=outputs)
@@ -121,6 +124,16 @@ class Pipeline:
             self._loss_fn = None
         return StepResult(loss=self._mean_loss(losses, 1.0) if wanted else None, outputs=outputs)
 
+    def _split_backward_config(self) -> ContextManager[Any]:
+        """Zero-bubble schedules run backward twice over a stage's graph (input gradients keeping the graph,
+        weight gradients later): AOTAutograd's donated buffers (``compile=``) refuse a backward that keeps the
+        graph, so code compiled inside their step is compiled without them."""
+        if not _schedules.SCHEDULES[self.schedule_name].splits_backward:
+            return contextlib.nullcontext()
+        import torch._functorch.config
+
+        return torch._functorch.config.patch(donated_buffer=False)
+
     def _mean_loss(self, losses: list[torch.Tensor], scale: float) -> torch.Tensor:
         # The schedule records what the loss function returned, the scaled loss (and, on the first step, not
         # the values met while it inferred the stages' shapes).
@@ -137,8 +150,30 @@ class Pipeline:
             value /= dist.get_world_size(self.replica_group)
         return value
 
+    def predict(self, batch: Any, split_batch: Callable[[Any], tuple[Any, Any]]) -> Any:
+        """Forward only, for ``Trainer.predict``: the last stage's outputs on every rank of the pipeline (on
+        CPU), so that the first rank of each data-parallel replica, a first stage, returns them as other
+        strategies do. A batch of inputs alone (a tensor, or a one-item list from a ``TensorDataset``) needs no
+        split."""
+        if isinstance(batch, torch.Tensor) or (isinstance(batch, (tuple, list)) and len(batch) == 1):
+            inputs = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        else:
+            inputs = as_inputs(split_batch(batch)[0])
+        outputs = self.eval_step(inputs).outputs
+        box = [_to_cpu(outputs) if self.has_last else None]
+        dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
+        return box[0]
+
     def clear(self) -> None:
         self.stages, self.schedule = [], None
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def _stage_class() -> type:

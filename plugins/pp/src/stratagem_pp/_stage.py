@@ -112,7 +112,10 @@ def build(
     containers = {b.rsplit(".", 1)[0] if "." in b else "" for b in split.blocks}
 
     def cut(keep: set[str]) -> _Cut:
-        return _Cut(keep=keep, above=ancestors(keep), placed=placed, containers=containers)
+        # A block container (and the modules on the way to it) stays a container even on a stage holding none
+        # of its blocks (a stage of the embedding alone): the forward's loop over it then runs no block.
+        above = ancestors(keep) | {c for c in containers if c} | ancestors(containers)
+        return _Cut(keep=keep, above=above, placed=placed, containers=containers)
 
     views = []
     for index in local:
@@ -148,10 +151,6 @@ def tensor_outputs(output: Any) -> Any:
 
 
 def _return_tensors(view: torch.nn.Module) -> None:
-    # On the view only: the user's model keeps its own forward.
-    forward = view.forward
-
-    def stage_forward(*args: Any, **kwargs: Any) -> Any:
-        return tensor_outputs(forward(*args, **kwargs))
-
-    view.forward = stage_forward  # type: ignore[method-assign]
+    # A hook on the view only (the user's model keeps its forward), and one that survives the view's forward
+    # being compiled in place (compile=, when a stage is compiled whole).
+    view.register_forward_hook(lambda module, args, output: tensor_outputs(output))

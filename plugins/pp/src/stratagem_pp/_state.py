@@ -36,7 +36,17 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def full_module_state(stage_state: dict[str, Any], sends: bool) -> dict[str, Any]:
+def in_model_order(names: Any, order: list[str]) -> list[str]:
+    """``names`` in the whole model's order (``order``: its state-dict keys), others after them as given.
+
+    Ranks hold stages out of model order (stages 0 and 2 on rank 0 of an interleaved schedule), so names
+    merged rank by rank would list ``blocks.1`` before ``blocks.0``; an optimizer state's ``params`` lists
+    are matched by position, so they must read as the whole model's."""
+    position = {name: index for index, name in enumerate(order)}
+    return sorted(names, key=lambda name: position.get(name, len(position)))
+
+
+def full_module_state(stage_state: dict[str, Any], sends: bool, order: list[str]) -> dict[str, Any]:
     """Rank 0: the whole model's state from each rank's whole (gathered over dp and tp) stage state."""
     every = _gather_to_zero(_to_cpu(stage_state), sends)
     if every is None:
@@ -44,10 +54,10 @@ def full_module_state(stage_state: dict[str, Any], sends: bool) -> dict[str, Any
     merged: dict[str, Any] = {}
     for part in every:
         merged.update(part)
-    return merged
+    return {name: merged[name] for name in in_model_order(merged, order)}
 
 
-def full_optimizer_state(stage_state: dict[str, Any], sends: bool) -> dict[str, Any]:
+def full_optimizer_state(stage_state: dict[str, Any], sends: bool, order: list[str]) -> dict[str, Any]:
     """Rank 0: the optimizer state keyed by parameter name over every stage; each parameter group's
     ``params`` lists the names of all stages, its other settings are the first stage's (the same on all)."""
     every = _gather_to_zero(_to_cpu(stage_state), sends)
@@ -67,8 +77,9 @@ def full_optimizer_state(stage_state: dict[str, Any], sends: bool) -> dict[str, 
         )
     groups = [dict(g) for g in parts[0].get("param_groups", [])] if parts else []
     for index, group in enumerate(groups):
-        group["params"] = [name for part in parts for name in part["param_groups"][index]["params"]]
-    return {"state": state, "param_groups": groups}
+        names = [name for part in parts for name in part["param_groups"][index]["params"]]
+        group["params"] = in_model_order(names, order)
+    return {"state": {name: state[name] for name in in_model_order(state, order)}, "param_groups": groups}
 
 
 def local_module_state(full: dict[str, Any], local_keys: set[str]) -> dict[str, Any]:
@@ -96,7 +107,7 @@ def module_state_dict(strategy: Any, module: torch.nn.Module, full: bool) -> dic
 
     # Whole over dp and tp on every rank of the stage; one of them sends it.
     stage = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    return full_module_state(stage, strategy.sends_stage())
+    return full_module_state(stage, strategy.sends_stage(), strategy.applied.get("order", []))
 
 
 def optimizer_state_dict(
@@ -104,12 +115,13 @@ def optimizer_state_dict(
 ) -> dict[str, Any]:
     if not full:
         return _with_every_stage_in_groups(
-            Strategy.optimizer_state_dict(strategy, module, optimizer, full=False)
+            Strategy.optimizer_state_dict(strategy, module, optimizer, full=False),
+            strategy.applied.get("order", []),
         )
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     stage = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
-    return full_optimizer_state(stage, strategy.sends_stage())
+    return full_optimizer_state(stage, strategy.sends_stage(), strategy.applied.get("order", []))
 
 
 def _local_keys(strategy: Any, module: torch.nn.Module) -> set[str]:
@@ -137,7 +149,7 @@ def load_optimizer_state_dict(
     Strategy.load_optimizer_state_dict(strategy, module, optimizer, state_dict, full=full)
 
 
-def _with_every_stage_in_groups(state_dict: dict[str, Any]) -> dict[str, Any]:
+def _with_every_stage_in_groups(state_dict: dict[str, Any], order: list[str]) -> dict[str, Any]:
     """A sharded optimizer state whose parameter groups list the names of every stage's parameters.
 
     DCP keeps one copy of a value that is not a tensor (a group's settings and its ``params`` list), whichever
@@ -156,6 +168,8 @@ def _with_every_stage_in_groups(state_dict: dict[str, Any]) -> dict[str, Any]:
         )
     merged = []
     for index, group in enumerate(groups):
-        names = list(dict.fromkeys(name for rank_groups in every for name in rank_groups[index]))
+        names = in_model_order(
+            dict.fromkeys(name for rank_groups in every for name in rank_groups[index]), order
+        )
         merged.append({**group, "params": names})
     return {**state_dict, "param_groups": merged}

@@ -3,7 +3,7 @@ with FSDP2 and tensor parallelism on a mesh whose outermost dimension is the pip
 
 ``wrap_model`` is a short orchestrator: split the model into stages (``_split``), build this rank's stage
 views and prune the model to its own modules (``_stage``), then on each view apply tensor parallelism,
-activation checkpointing and ``fully_shard`` (``_parallelize``), materialise a meta model as one process
+activation checkpointing, compile (``compile=``) and ``fully_shard`` (``_parallelize``), materialise a meta model as one process
 would (``_materialize``), and set up the schedule (``_runtime``). It returns the pruned model: this rank's
 parameters under their names in the whole model.
 
@@ -26,6 +26,7 @@ from stratagem import hookimpl
 from stratagem.errors import ConfigurationError
 from stratagem.launchers.cluster import ClusterEnvironment
 from stratagem.strategies.base import Strategy
+from stratagem.strategies.compiling import Compiler
 from stratagem.strategies.step import StepOutput, as_inputs
 from stratagem.strategies.torch_distributed import TorchDistributedStrategy
 from stratagem.strategies.wrapping import has_meta_tensors
@@ -139,8 +140,9 @@ class PPStrategy(TorchDistributedStrategy):
         return Strategy.model_init_context(self, empty_init)
 
     @hookimpl
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap_model(self, model: torch.nn.Module, compiler: Compiler) -> torch.nn.Module:
         if self.pipeline is not None and model is self.applied.get("holder"):
+            compiler.called = True  # set up again (validate after fit): its stages were compiled then
             return model
         _parallelize.check_no_prior_sharding(model)
         sizes, schedule = self._sizes(), self.config.schedule
@@ -153,7 +155,9 @@ class PPStrategy(TorchDistributedStrategy):
         if not deferred:
             model.to(self.device)
         tp = self.check_tensor_parallel(model)
+        regions = _parallelize.compile_regions(model, compiler)
         # 2. The stage views and the pruned model (the holder), sharing this rank's modules.
+        keys = list(model.state_dict(keep_vars=True))
         holder, views = _stage.build(model, split, local)
         self.applied = {
             "split": split,
@@ -161,9 +165,11 @@ class PPStrategy(TorchDistributedStrategy):
             "units": {},
             "tp_styles": {},
             "checkpointed": 0,
+            "compiled": {},
+            "order": keys,  # the whole model's state-dict keys: checkpoints list names in this order
         }
         for index, view in zip(local, views):
-            # 3. Per stage: tensor parallel, activation checkpointing, FSDP (as the dimensions allow).
+            # 3. Per stage: tensor parallel, activation checkpointing, compile, FSDP (as the dimensions allow).
             if tp is not None:
                 self.applied["tp_styles"][index] = _parallelize.tensor_parallel(
                     view, *tp, self.device_mesh["tp"], deferred
@@ -171,6 +177,7 @@ class PPStrategy(TorchDistributedStrategy):
             self.applied["checkpointed"] += _parallelize.checkpoint_activations(
                 view, self.config.activation_checkpointing_policy
             )
+            self.applied["compiled"][index] = _parallelize.compile_stage(view, regions, compiler)
             self.applied["units"][index] = self.shard_stage(view, split, index)
         # 4. A meta model gets the values one process would give the whole model.
         if deferred:
@@ -222,7 +229,10 @@ class PPStrategy(TorchDistributedStrategy):
         batch: Any,
         split_batch: Callable[[Any], tuple[Any, Any]],
         compute_loss: Callable[[Any, Any], torch.Tensor] | None,
+        stage: str,
     ) -> StepOutput:
+        if stage == "predict":
+            return StepOutput(loss=None, outputs=self._running().predict(batch, split_batch))
         inputs, targets = split_batch(batch)
         result = self.eval_step(as_inputs(inputs), targets, compute_loss)
         return StepOutput(loss=result.loss, outputs=result.outputs)
