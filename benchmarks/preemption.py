@@ -8,6 +8,8 @@ strategy:
 - signal to exit: from the signal to the launching process's exit (what a scheduler's grace period must
   cover), and the fraction of the grace period it used (goal: at most 10 %);
 - the workers' own account: from the first rank's signal to the checkpoint written (printed by rank 0);
+- the workers' exit: from the signal to the end of the later worker process (what remains after it is the
+  launcher noticing and ending);
 - steps lost: the steps any rank had begun minus the step the checkpoint holds (goal: 0);
 - bit-identical: the run resumed with ``ckpt_path="last"`` ends with the parameters of an uninterrupted run
   (``torch.equal``).
@@ -32,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -76,11 +79,21 @@ def trial(strategy: str, target: str, at: int, args: argparse.Namespace, want: d
             )
         time.sleep(0.005)
     rank = random.randrange(2)
-    pid = launcher.pid if target == "launcher" else progress(marks, rank)[1]  # type: ignore[index]
+    workers = [progress(marks, r)[1] for r in range(2)]  # type: ignore[index]
+    pid = launcher.pid if target == "launcher" else workers[rank]
     sent = time.monotonic()
     os.kill(pid, signal.SIGTERM)
-    out, err = launcher.communicate(timeout=args.grace * 3)
+    streams: list[str] = []
+    reader = threading.Thread(target=lambda: streams.extend(launcher.communicate(timeout=args.grace * 3)))
+    reader.start()
+    # When each worker process ended (a zombie until the launcher reaps it), polled every 2 ms.
+    ended: dict[int, float] = {}
+    while reader.is_alive():
+        ended.update({w: time.monotonic() for w in workers if w not in ended and _ended(w)})
+        time.sleep(0.002)
+    reader.join()
     took = time.monotonic() - sent
+    out, err = streams
     if launcher.returncode != 75:
         raise RuntimeError(f"{strategy}: exit code {launcher.returncode}:\n{err[-3000:]}")
     said = _WORKERS.search(out)
@@ -101,8 +114,16 @@ def trial(strategy: str, target: str, at: int, args: argparse.Namespace, want: d
         "lost": begun - saved,
         "took": took,
         "workers": float(said.group(3)),
+        "exited": max(ended.values(), default=sent + took) - sent,
         "identical": all(torch.equal(got[k], v) for k, v in want.items()),
     }
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 def spread(values: list[float]) -> str:
@@ -290,7 +311,7 @@ def main() -> None:
                     f"  {strategy} trial {i + 1}/{args.trials}: SIGTERM to the {result['who']} at step {at}: "
                     f"saved step {result['saved']}, {result['lost']} step(s) lost, exit {result['took']:.2f} s "
                     f"after the signal ({100 * result['took'] / args.grace:.1f} % of the grace period; the "
-                    f"workers' checkpoint {result['workers']:.1f} s), "
+                    f"workers' checkpoint {result['workers']:.1f} s, their exit {result['exited']:.2f} s), "
                     f"{'bit-identical' if result['identical'] else 'DIFFERENT'}",
                     flush=True,
                 )
@@ -303,6 +324,7 @@ def main() -> None:
                     spread(took),
                     f"{100 * max(took) / args.grace:.1f} %",
                     spread([r["workers"] for r in results]),
+                    spread([r["exited"] for r in results]),
                 ]
             )
         if rows:
@@ -316,6 +338,7 @@ def main() -> None:
                         "signal -> exit",
                         "of the grace period (max)",
                         "signal -> checkpoint (rank 0)",
+                        "signal -> workers' exit",
                     ],
                 )
             )
