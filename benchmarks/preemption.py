@@ -8,14 +8,18 @@ strategy:
 - signal to exit: from the signal to the launching process's exit (what a scheduler's grace period must
   cover), and the fraction of the grace period it used (goal: at most 10 %);
 - the workers' own account: from the first rank's signal to the checkpoint written (printed by rank 0);
+- the workers' exit: from the signal to the end of the later worker process (what remains after it is the
+  launcher noticing and ending);
 - steps lost: the steps any rank had begun minus the step the checkpoint holds (goal: 0);
 - bit-identical: the run resumed with ``ckpt_path="last"`` ends with the parameters of an uninterrupted run
   (``torch.equal``).
 
 Then the cost of being ready: step time of a 2-process ddp Trainer with the default preemption signals (one
-3-element all-reduce per step, for the ranks to agree) against ``preemption_signals=()``, launches alternated.
+3-element all-reduce per step for the ranks to agree, started at a step's end and read at the next one's)
+against ``preemption_signals=()``, launches alternated.
 
     python benchmarks/preemption.py --trials 10 [--grace 30] [--overhead-rounds 4]
+    python benchmarks/preemption.py --trials 0 --overhead-rounds 4     # the cost of being ready alone
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,11 +79,21 @@ def trial(strategy: str, target: str, at: int, args: argparse.Namespace, want: d
             )
         time.sleep(0.005)
     rank = random.randrange(2)
-    pid = launcher.pid if target == "launcher" else progress(marks, rank)[1]  # type: ignore[index]
+    workers = [progress(marks, r)[1] for r in range(2)]  # type: ignore[index]
+    pid = launcher.pid if target == "launcher" else workers[rank]
     sent = time.monotonic()
     os.kill(pid, signal.SIGTERM)
-    out, err = launcher.communicate(timeout=args.grace * 3)
+    streams: list[str] = []
+    reader = threading.Thread(target=lambda: streams.extend(launcher.communicate(timeout=args.grace * 3)))
+    reader.start()
+    # When each worker process ended (a zombie until the launcher reaps it), polled every 2 ms.
+    ended: dict[int, float] = {}
+    while reader.is_alive():
+        ended.update({w: time.monotonic() for w in workers if w not in ended and _ended(w)})
+        time.sleep(0.002)
+    reader.join()
     took = time.monotonic() - sent
+    out, err = streams
     if launcher.returncode != 75:
         raise RuntimeError(f"{strategy}: exit code {launcher.returncode}:\n{err[-3000:]}")
     said = _WORKERS.search(out)
@@ -99,8 +114,16 @@ def trial(strategy: str, target: str, at: int, args: argparse.Namespace, want: d
         "lost": begun - saved,
         "took": took,
         "workers": float(said.group(3)),
+        "exited": max(ended.values(), default=sent + took) - sent,
         "identical": all(torch.equal(got[k], v) for k, v in want.items()),
     }
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 def spread(values: list[float]) -> str:
@@ -175,9 +198,79 @@ def overhead(args: argparse.Namespace, scratch: Path) -> None:
     )
 
 
+# the agreement alone, paired ----------------------------------------------------------------------------
+
+
+def paired_worker(engine, args: argparse.Namespace) -> dict[str, list[float]]:
+    """In each of 2 ddp workers: blocks of training steps of one model, without an agreement ("off"), with the
+    Trainer's agreement (an all-reduce started at each step's end and read at the next one's), and with the
+    blocking all-reduce on the training group that it replaced; the blocks rotate, and rank 0 returns each
+    block's median step time."""
+    import torch.nn.functional as F
+
+    from stratagem.trainer._agreement import NOTHING, Agreement
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(16, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 1)
+    )
+    model, opt = engine.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    agreement = Agreement(engine)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+
+    def step(mode: str) -> float:
+        start = time.perf_counter()
+        loss = F.mse_loss(model(x), y)
+        engine.backward(loss, model)
+        opt.step()
+        opt.zero_grad()
+        if mode == "agreement":
+            agreement.exchange(NOTHING)
+        elif mode == "blocking":
+            engine.all_reduce(torch.tensor(NOTHING, dtype=torch.float64), "max")
+        return time.perf_counter() - start
+
+    modes = ["off", "agreement", "blocking"]
+    for mode in modes:  # warm-up
+        for _ in range(20):
+            step(mode)
+    medians: dict[str, list[float]] = {mode: [] for mode in modes}
+    for block in range(args.paired_blocks):
+        for mode in modes[block % 3 :] + modes[: block % 3]:
+            times = [step(mode) for _ in range(args.paired_block_steps)]
+            medians[mode].append(statistics.median(times))
+            agreement.settle()  # the next block starts with nothing in flight
+    agreement.close()
+    return medians
+
+
+def paired(args: argparse.Namespace) -> None:
+    import stratagem as sg
+
+    engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2)
+    medians = engine.launch(paired_worker, args)
+    print(
+        f"\nthe agreement alone: 2-process ddp Engine steps (width {args.width}, AdamW, batch 8), "
+        f"{args.paired_blocks} blocks of {args.paired_block_steps} steps per mode, rotating; load "
+        f"{os.getloadavg()[0]:.2f}"
+    )
+    rows = []
+    for mode in ("agreement", "blocking"):
+        ratios = [a / o for a, o in zip(medians[mode], medians["off"])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        extra = statistics.median(a - o for a, o in zip(medians[mode], medians["off"]))
+        rows.append(
+            [mode, f"{statistics.median(medians[mode]) * 1e3:.3f} ms", f"{extra * 1e3:+.3f} ms",
+             f"{statistics.median(ratios):.3f} (IQR {q1:.3f}-{q3:.3f})"]
+        )  # fmt: skip
+    rows.append(["off", f"{statistics.median(medians['off']) * 1e3:.3f} ms", "", ""])
+    print(table(rows, ["per step", "median step", "added (median of blocks)", "ratio to off (blocks)"]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trials", type=int, default=10, help="trials per strategy")
+    p.add_argument("--trials", type=int, default=10, help="trials per strategy (0: none)")
     p.add_argument("--strategies", default="ddp,fsdp")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--step-sleep", type=float, default=0.2, help="seconds each step sleeps (a slower step)")
@@ -186,6 +279,8 @@ def main() -> None:
     p.add_argument("--overhead-rounds", type=int, default=4, help="0: skip the step-time comparison")
     p.add_argument("--overhead-steps", type=int, default=400)
     p.add_argument("--width", type=int, default=512)
+    p.add_argument("--paired-blocks", type=int, default=30, help="0: skip the paired measurement")
+    p.add_argument("--paired-block-steps", type=int, default=20)
     p.add_argument("--overhead-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--off", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--times", default=None, help=argparse.SUPPRESS)
@@ -203,7 +298,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="sg-preempt-bench-") as tmp:
         scratch = Path(tmp)
-        for strategy in args.strategies.split(","):
+        for strategy in args.strategies.split(",") if args.trials else []:
             reference = scratch / f"{strategy}-reference"
             subprocess.run(command(strategy, reference, args), check=True, capture_output=True, timeout=300)
             want = params(reference)
@@ -216,7 +311,7 @@ def main() -> None:
                     f"  {strategy} trial {i + 1}/{args.trials}: SIGTERM to the {result['who']} at step {at}: "
                     f"saved step {result['saved']}, {result['lost']} step(s) lost, exit {result['took']:.2f} s "
                     f"after the signal ({100 * result['took'] / args.grace:.1f} % of the grace period; the "
-                    f"workers' checkpoint {result['workers']:.1f} s), "
+                    f"workers' checkpoint {result['workers']:.1f} s, their exit {result['exited']:.2f} s), "
                     f"{'bit-identical' if result['identical'] else 'DIFFERENT'}",
                     flush=True,
                 )
@@ -229,23 +324,28 @@ def main() -> None:
                     spread(took),
                     f"{100 * max(took) / args.grace:.1f} %",
                     spread([r["workers"] for r in results]),
+                    spread([r["exited"] for r in results]),
                 ]
             )
-        print(
-            table(
-                rows,
-                [
-                    "strategy",
-                    "bit-identical",
-                    "steps lost (all trials)",
-                    "signal -> exit",
-                    "of the grace period (max)",
-                    "signal -> checkpoint (rank 0)",
-                ],
+        if rows:
+            print(
+                table(
+                    rows,
+                    [
+                        "strategy",
+                        "bit-identical",
+                        "steps lost (all trials)",
+                        "signal -> exit",
+                        "of the grace period (max)",
+                        "signal -> checkpoint (rank 0)",
+                        "signal -> workers' exit",
+                    ],
+                )
             )
-        )
         if args.overhead_rounds:
             overhead(args, scratch)
+    if args.paired_blocks:
+        paired(args)
 
 
 if __name__ == "__main__":

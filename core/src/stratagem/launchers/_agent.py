@@ -246,6 +246,7 @@ def run_agent(
     )
     worker_tmp = scratch / "tmp"
     worker_tmp.mkdir(exist_ok=True)
+    _freeze_at_exit()
     signals, grace_s = _preemption.from_env()
     agent = _agent_class()(
         spec=spec,
@@ -279,6 +280,26 @@ def run_agent(
         raise KeyboardInterrupt from None
     finally:
         spec.rdzv_handler.shutdown()
+
+
+_freeze_registered = False
+
+
+def _freeze_at_exit() -> None:
+    """At this process's exit, after the handlers registered from here on: :func:`gc.freeze` what is alive.
+
+    The interpreter's teardown then frees those objects as their references go, without the full collections
+    that walk all of torch's objects again and again: most of a second of a launcher's exit, which a preempted
+    run spends inside its grace period. A launching process holds no process group whose threads could still
+    need the objects such a collection would free.
+    """
+    global _freeze_registered
+    if not _freeze_registered:
+        import atexit
+        import gc
+
+        atexit.register(gc.freeze)
+        _freeze_registered = True
 
 
 #: The signals torch's agent turns into ``SignalException`` once it has started workers.

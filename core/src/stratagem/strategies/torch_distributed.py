@@ -27,7 +27,10 @@ def _quiesce_at_exit() -> None:
     that asks for it during finalization is ended mid-way, which aborts the process ("terminate called without
     an active exception", SIGABRT) after a run that finished. The handler runs before finalization: it
     destroys a group the script left alive, collects garbage (dropping Python's side of such tensors), and
-    gives the threads a moment to let go.
+    gives the threads a moment to let go. Then it freezes what is left (:func:`gc.freeze`): objects that are
+    still alive are freed by the interpreter's teardown as their references go, but its collections no longer
+    walk the whole of torch's object graph again and again, which took most of a second of each process's exit
+    (a preempted worker's among them; the launcher does the same, :func:`stratagem.launchers._agent.run_agent`).
     """
     global _quiesce_registered
     if _quiesce_registered:
@@ -49,6 +52,7 @@ def _quiesce() -> None:
             pass
     gc.collect()
     time.sleep(EXIT_QUIESCE_S)
+    gc.freeze()
 
 
 #: How many process groups this process has formed through setup_environment (see there).

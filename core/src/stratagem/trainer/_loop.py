@@ -78,7 +78,9 @@ class TrainingLoop:
             periodic = (
                 opts.checkpoint_every_n_steps is not None or opts.checkpoint_every_n_minutes is not None
             )
-            if periodic and self._last_saved_step != self.position.step:
+            # A signal the last boundary's exchange carried stops the run here, saved like any other.
+            preempted = self._preemption.settle()
+            if (periodic or preempted) and self._last_saved_step != self.position.step:
                 self._save_periodic()
             self.engine.wait_for_checkpoint()  # fit returns with every checkpoint written (or raises)
             self._preemption.exit_if_stopped(self)  # raises Preempted (a SystemExit) once the ranks agreed

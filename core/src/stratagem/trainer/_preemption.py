@@ -8,8 +8,12 @@ rank at the same step boundary, with a checkpoint of that step, and ends the run
   agreement below.
 - At each step boundary (after the step's validation, where a periodic checkpoint is written) the ranks agree
   through one three-element all-reduce: whether any rank was signalled, the earliest time one was, and which
-  signal. The step on which they agree is saved like a periodic checkpoint (waiting for an asynchronous save in
-  flight), the pending metrics are written and the loggers close; then every rank exits.
+  signal. With several ranks a boundary starts its all-reduce without waiting for it, on a gloo group of its
+  own, and reads it at the next boundary (:mod:`stratagem.trainer._agreement`): every rank decides on the same
+  reduced value, so all stop at the same step, one step after the boundary at which the first signalled rank's
+  exchange began. One process stops at the boundary that follows its signal. The step they stop at is saved
+  like a periodic checkpoint (waiting for an asynchronous save in flight), the pending metrics are written and
+  the loggers close; then every rank exits.
 - In a SLURM job, rank 0 requeues the job last (``scontrol requeue``): the requeued job restarts the script,
   whose ``fit`` resumes from that checkpoint by itself (``SLURM_RESTART_COUNT`` makes it a restart).
 """
@@ -24,11 +28,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
 from stratagem.checkpoint import _store
 from stratagem.errors import PREEMPTED_EXIT_CODE, ConfigurationError, Preempted
 from stratagem.launchers import _preemption, cluster
+from stratagem.trainer import _agreement
 from stratagem.trainer._run_dir import checkpoint_name
 
 if TYPE_CHECKING:
@@ -73,7 +77,7 @@ class Preemption:
         self.stopping: dict[str, Any] | None = None
         #: The preemption record of the checkpoint ``fit`` resumed from, if it was a preemption's.
         self.resumed: dict[str, Any] | None = None
-        self._group: Any = None  # the agreement's gloo group, on an accelerator
+        self._agreement: _agreement.Agreement | None = None  # with several ranks, while fit trains
 
     def job_fields(self) -> dict[str, Any]:
         """What the launcher needs to know (see :class:`~stratagem.launchers.LaunchJob`)."""
@@ -97,8 +101,13 @@ class Preemption:
             # DataLoader worker processes forked from here inherit the handler: they no longer die of the
             # signal (their parent would then fail on their death); they end with their parent.
             self._previous[number] = signal.signal(number, self._catch)
+        if self.engine.world_size > 1:
+            self._agreement = _agreement.Agreement(self.engine)
 
     def disarm(self) -> None:
+        agreement, self._agreement = self._agreement, None
+        if agreement is not None:
+            agreement.close()
         previous, self._previous = self._previous, {}
         for number, handler in previous.items():
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
@@ -109,33 +118,36 @@ class Preemption:
 
     # agreeing ---------------------------------------------------------------------------------------------
     def agreed(self) -> bool:
-        """Whether any rank caught a preemption signal: a collective, called by every rank at the same step."""
+        """Whether the ranks stop at this step boundary: a collective, called by every rank at each boundary.
+
+        With several ranks this reads the exchange the previous boundary started
+        (:mod:`stratagem.trainer._agreement`): a signal is acted on one boundary later than one process would act
+        on it, at the same step on every rank.
+        """
         if not self._previous:
             return False
         caught = self._caught
-        if self.engine.world_size > 1:
-            # max of (caught, -time, signal): any rank, the earliest time, one signal; one collective.
-            local = [1.0, -caught[1], float(caught[0])] if caught else [0.0, float("-inf"), 0.0]
-            reduced = self._all_reduce_max(local)
-            caught = (int(reduced[2]), -reduced[1]) if reduced[0] > 0 else None
+        if self._agreement is not None:
+            local = (1.0, -caught[1], float(caught[0])) if caught else _agreement.NOTHING
+            return self._decide(self._agreement.exchange(local))
         if caught is None:
             return False
         self.stopping = {"signal": signal.Signals(caught[0]).name, "received": caught[1]}
         return True
 
-    def _all_reduce_max(self, values: list[float]) -> list[float]:
-        if self.engine.device.type == "cpu":
-            flag = torch.tensor(values, dtype=torch.float64)
-            return self.engine.all_reduce(flag, "max").tolist()
-        # On an accelerator, reading the result back would wait for the step's queued kernels, every step:
-        # agree on the CPU, through a gloo group of the preemption's own.
-        import torch.distributed as dist
+    def settle(self) -> bool:
+        """At the end of training (every rank at the same step): read the exchange still in flight; whether it
+        says to stop there, as the next boundary would have."""
+        if self._agreement is None or self.stopping is not None:
+            return self.stopping is not None
+        return self._decide(self._agreement.settle())
 
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        flag = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return flag.tolist()
+    def _decide(self, reduced: tuple[float, float, float] | None) -> bool:
+        # max of (caught, -time, signal): any rank, the earliest time, one signal.
+        if reduced is None or reduced[0] <= 0:
+            return False
+        self.stopping = {"signal": signal.Signals(int(reduced[2])).name, "received": -reduced[1]}
+        return True
 
     def record(self, step: int) -> dict[str, Any] | None:
         """What the checkpoint of the stopping step keeps of the preemption (``None`` for another checkpoint)."""
