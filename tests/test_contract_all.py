@@ -36,11 +36,23 @@ ALIASES = {"deepspeed": "deepspeed_stage_2"}
 #: Configurations certified besides the names' defaults: fsdp_tp's default on one node of 4 is a 1 x 4 mesh
 #: (tensor parallel over every rank), so the 2 x 2 mesh is certified as a variant.
 VARIANTS = {"torch": ["fsdp_tp[tensor_parallel_size=2]"]}
-#: The pipeline family: ``pp`` with its default schedule (1f1b) and with gpipe, and the 2-D and 3-D meshes.
-#: The schedules that hold several stages per rank (interleaved_1f1b, looped_bfs, zbv_zero_bubble,
-#: dual_pipe_v) and zero_bubble do not pass the suite yet (a worker dies or the run stalls in the checkpoint
-#: section); plugins/pp's tests train each of them against the one-process reference.
-PIPELINE_SCHEDULES = ("gpipe",)
+#: The pipeline family: ``pp`` with its default schedule (1f1b) and with every other schedule it offers (those
+#: with several stages per rank split the suite's model into four stages), and the 2-D and 3-D meshes.
+PIPELINE_SCHEDULES = (
+    "gpipe",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "zero_bubble",
+    "zbv_zero_bubble",
+    "dual_pipe_v",
+)
+
+
+def test_every_pipeline_schedule_is_certified() -> None:
+    pp = pytest.importorskip("stratagem_pp", reason="stratagem-pp is not installed")
+    assert set(pp.SCHEDULES) == {"1f1b", *PIPELINE_SCHEDULES}, sorted(pp.SCHEDULES)
+
+
 EXPLICIT = {"pipelines": ["pp", *(f"pp[schedule={s}]" for s in PIPELINE_SCHEDULES), "pp_fsdp", "pp_fsdp_tp"]}
 
 

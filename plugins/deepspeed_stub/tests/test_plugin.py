@@ -108,6 +108,9 @@ def test_named_options_become_the_zero_section() -> None:
     assert zero["reduce_bucket_size"] == 1000  # capped at the model's size
     assert ds["gradient_accumulation_steps"] == 1 and "bf16" not in ds
     assert config.deepspeed_config("bf16-mixed")["bf16"] == {"enabled": True}
+    # Capped at an odd model size: rounded up to the multiple of 2 elements that stages 1-2 require.
+    odd = DeepSpeedConfig(stage=2).deepspeed_config("32-true", "cpu", model_numel=1001)["zero_optimization"]
+    assert odd["reduce_bucket_size"] == odd["allgather_bucket_size"] == 1002
 
 
 def test_a_user_config_is_taken_as_is(tmp_path: Path) -> None:

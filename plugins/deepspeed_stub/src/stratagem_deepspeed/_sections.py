@@ -85,7 +85,11 @@ def _user_config(user: dict[str, Any], precision: str) -> dict[str, Any]:
 
 def zero_section(cfg: DeepSpeedConfig, pin_memory: bool, cap: int | None) -> dict[str, Any]:
     def capped(size: int) -> int:
-        return size if cap is None else max(1, min(size, cap))
+        # DeepSpeed's stages 1-2 want bucket sizes that are multiples of 2 elements (4-byte alignment of fp16);
+        # a model with an odd number of elements would otherwise fail its assertion at set-up.
+        if cap is None or size <= cap:
+            return size
+        return max(2, cap + cap % 2)
 
     section: dict[str, Any] = {
         "stage": cfg.stage,
