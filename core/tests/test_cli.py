@@ -57,6 +57,38 @@ def test_listings_do_not_import_torch_or_the_plugins_dependencies():
     assert result.stdout.strip() == "[]"
 
 
+def test_a_command_line_imports_the_module_of_its_command_alone():
+    # `stratagem NAME` imports COMMAND_MODULE[NAME] only: each name must be the one its module registers.
+    registered = (
+        "import importlib, json\nfrom stratagem import cli\nfound = {}\n"
+        "for module in cli.COMMAND_MODULES:\n"
+        "    before = set(cli._COMMANDS)\n    importlib.import_module(module)\n"
+        "    found.update({name: module for name in set(cli._COMMANDS) - before})\n"
+        "print(json.dumps([found, cli.COMMAND_MODULE]))\n"
+    )
+    listing = (
+        "import io, json, sys, contextlib\nfrom stratagem import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()): cli.main(['launchers'])\n"
+        "print(json.dumps(sorted(m for m in cli.COMMAND_MODULES if m in sys.modules)))\n"
+    )
+    outputs = []
+    for code in (registered, listing):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        outputs.append(json.loads(result.stdout))
+    (found, table), loaded = outputs
+    assert found == table
+    assert loaded == ["stratagem.cli.listing"]
+    usage = run("--help")
+    assert usage.returncode == 0 and all(name in usage.stdout for name in table), usage.stdout
+    wrong = run("strategy")
+    assert (
+        wrong.returncode == 2
+        and "invalid choice: 'strategy'" in wrong.stderr
+        and "strategies" in wrong.stderr
+    )
+
+
 def test_strategies_text_shows_capabilities():
     result = run("strategies")
     assert result.returncode == 0

@@ -32,7 +32,6 @@ from stratagem.hookspecs import hookimpl, hookspec
 from stratagem.registry._lazy import lazy_getattr
 from stratagem.registry._version import __version__
 from stratagem.registry.capabilities import Capabilities
-from stratagem.strategies.wrapping import wrap
 
 if TYPE_CHECKING:
     from stratagem.checkpoint import PerRank
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
     from stratagem.launchers.cluster import ClusterEnvironment
     from stratagem.registry._manager import get_registry
     from stratagem.strategies import SingleDeviceStrategy, Strategy, TorchDistributedStrategy
+    from stratagem.strategies.wrapping import wrap
     from stratagem.trainer import Module, Trainer
 
 __all__ = [
@@ -83,6 +83,7 @@ _LAZY = {
     "TorchDistributedStrategy": "stratagem.strategies",
     "SingleDeviceStrategy": "stratagem.strategies",
     "get_registry": "stratagem.registry._manager",
+    "wrap": "stratagem.strategies.wrapping",
 }
 
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
+
+
+def _closest(name: str, names: list[str]) -> str | None:
+    # difflib is imported here, when a name is wrong, not with every `import stratagem`.
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    return close[0] if close else None
 
 
 class StratagemError(Exception):
@@ -16,8 +23,7 @@ class UnknownStrategyError(StratagemError, KeyError):
     def __init__(self, name: str, installed: Iterable[str], hint: str = "") -> None:
         self.name = name
         self.installed = sorted(installed)
-        close = difflib.get_close_matches(name, self.installed, n=1, cutoff=0.5)
-        self.closest = close[0] if close else None
+        self.closest = _closest(name, self.installed)
         message = f"Unknown strategy {name!r}."
         if self.closest:
             message += f" Did you mean {self.closest!r}?"
@@ -40,8 +46,7 @@ class UnknownLauncherError(StratagemError, KeyError):
     def __init__(self, name: str, installed: Iterable[str]) -> None:
         self.name = name
         self.installed = sorted(installed)
-        close = difflib.get_close_matches(name, self.installed, n=1, cutoff=0.5)
-        self.closest = close[0] if close else None
+        self.closest = _closest(name, self.installed)
         message = f"Unknown launcher {name!r}."
         package = KNOWN_LAUNCHER_PACKAGES.get(name)
         if package:
@@ -62,8 +67,7 @@ class UnknownNameError(StratagemError, KeyError):
         self.kind = kind
         self.name = name
         self.installed = sorted(installed)
-        close = difflib.get_close_matches(name, self.installed, n=1, cutoff=0.5)
-        self.closest = close[0] if close else None
+        self.closest = _closest(name, self.installed)
         message = f"Unknown {kind} {name!r}."
         if self.closest:
             message += f" Did you mean {self.closest!r}?"

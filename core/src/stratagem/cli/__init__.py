@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: One module per command (or group of commands); each adds its parser here and registers its function with
-#: :func:`command`. Imported at start-up, so none of them imports anything heavy at module level.
+#: :func:`command`. None of them imports anything heavy at module level.
 COMMAND_MODULES = (
     "stratagem.cli.listing",
     "stratagem.cli.run",
@@ -47,14 +47,29 @@ COMMAND_MODULES = (
     "stratagem.cli.new",
     "stratagem.cli.doctor",
 )
+#: The module of each command: a command line that names one imports that module alone (the listings answer
+#: sooner without the others' parsers and imports); anything else (``--help``, a wrong name) imports them all.
+#: ``core/tests/test_cli.py`` checks it against what the modules register.
+COMMAND_MODULE = {
+    "strategies": "stratagem.cli.listing",
+    "launchers": "stratagem.cli.listing",
+    "callbacks": "stratagem.cli.listing",
+    "run": "stratagem.cli.run",
+    "demo": "stratagem.cli.demo",
+    "checkpoint": "stratagem.cli.checkpoint",
+    "compare": "stratagem.cli.compare._command",
+    "contract": "stratagem.cli.contract",
+    "new": "stratagem.cli.new",
+    "doctor": "stratagem.cli.doctor",
+}
 #: Other modules add their subcommands here (kept in their own modules so this one stays light).
 _PARSER_EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
-def _load_extensions() -> None:
+def _load_extensions(modules: Sequence[str] = COMMAND_MODULES) -> None:
     import importlib
 
-    for module in COMMAND_MODULES:
+    for module in modules:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as error:
@@ -63,7 +78,9 @@ def _load_extensions() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _load_extensions()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    only = COMMAND_MODULE.get(argv[0]) if argv else None
+    _load_extensions(COMMAND_MODULES if only is None else (only,))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -12,18 +12,22 @@ there without importing anything. Torch-free and pytest-free: the listings impor
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stratagem.contract import CERTIFICATE_FILE
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 #: The contract suite's version: MAJOR.MINOR, raised whenever a check is added or changed, so that a
 #: certificate tells which checks it vouches for. ``--verify`` refuses a certificate from an older suite.
 SUITE_VERSION = "1.0"
 #: The file name under which a plugin ships its certificate, beside its entry-point module.
 SHIPPED_NAME = CERTIFICATE_FILE
-SCHEMA_PATH = Path(__file__).with_name("certificate.schema.json")
+#: A string, not a Path: the listing reads shipped certificates and does without pathlib's import.
+SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "certificate.schema.json")
 KINDS = ("strategy", "launcher", "callback", "logger")
 
 _schema: dict[str, Any] | None = None
@@ -33,7 +37,8 @@ def schema() -> dict[str, Any]:
     """The certificate's JSON schema, shipped in the package (``certificate.schema.json``)."""
     global _schema
     if _schema is None:
-        _schema = json.loads(SCHEMA_PATH.read_text())
+        with open(SCHEMA_PATH, encoding="utf-8") as f:
+            _schema = json.load(f)
     return _schema
 
 
@@ -139,7 +144,9 @@ def problems(
 
     found = validate(document, schema())
     if found:
-        return [f"not a valid certificate ({SCHEMA_PATH.name}): {problem}" for problem in found[:12]]
+        return [
+            f"not a valid certificate ({os.path.basename(SCHEMA_PATH)}): {problem}" for problem in found[:12]
+        ]
     older = suite_tuple(document["suite_version"]) < suite_tuple(SUITE_VERSION)
     if older:
         found.append(
@@ -183,7 +190,8 @@ def _against_installed(subject: Mapping[str, Any], now: Mapping[str, Any]) -> li
 
 def load(path: str | Path) -> Any:
     """The JSON document at ``path``; a clear error when it is not JSON."""
-    text = Path(path).read_text()
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
@@ -224,7 +232,7 @@ def shipped_certificate(directory: str | None) -> tuple[Any, str]:
     """The certificate shipped in ``directory`` (a plugin's package), as ``(document or None, problem)``."""
     if not directory:
         return None, ""
-    path = Path(directory) / SHIPPED_NAME
+    path = os.path.join(directory, SHIPPED_NAME)
     try:
         return load(path), ""
     except FileNotFoundError:

@@ -20,7 +20,7 @@ __all__ = ["ElasticLauncher", "LaunchJob", "Launcher", "LauncherCapabilities"]
 
 _LAZY = {
     "LaunchJob": "stratagem.launchers._job",
-    "LauncherCapabilities": "stratagem.launchers._job",
+    "LauncherCapabilities": "stratagem.registry.capabilities",
     "Launcher": "stratagem.launchers.base",
     "ElasticLauncher": "stratagem.launchers.elastic",
 }

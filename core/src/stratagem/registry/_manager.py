@@ -90,12 +90,12 @@ def package_dir(module: types.ModuleType) -> str:
 
 
 def _entry_points() -> list[Any]:
-    import importlib_metadata
+    from stratagem.registry import _installed
 
     seen: set[tuple[str, str]] = set()
     unique = []
     # The same distribution can be visible twice on sys.path (an editable install and a build dir).
-    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for ep in _installed.entry_points(ENTRY_POINT_GROUP):
         key = (ep.name, ep.value)
         if key not in seen:
             seen.add(key)

@@ -33,14 +33,9 @@ def _requirement_installed(requirement: str) -> bool:
     # Checked through package metadata so that listing never imports the package.
     import re
 
-    import importlib_metadata
+    from stratagem.registry._installed import installed
 
-    name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
-    try:
-        importlib_metadata.distribution(name)
-    except importlib_metadata.PackageNotFoundError:
-        return False
-    return True
+    return installed(re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0])
 
 
 @attrs.frozen(kw_only=True)

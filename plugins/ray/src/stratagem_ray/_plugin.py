@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stratagem import hookimpl
-from stratagem.launchers._job import LauncherCapabilities
+from stratagem.registry.capabilities import LauncherCapabilities
 
 
 @hookimpl
