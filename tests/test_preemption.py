@@ -2,7 +2,7 @@
 exits with the preempted code (75) within the grace period, leaving a complete checkpoint of the step it stopped
 at, and the run resumed from it (``ckpt_path="last"``) ends bit-identical (``torch.equal``) to an uninterrupted
 one. Each strategy is one launch sequence (two preemptions, then the run to its end) to keep the CI time small;
-``benchmarks/preemption.py`` runs 10 trials per strategy and times them."""
+``benchmarks/preemption.py`` runs more trials per strategy and times them."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ SCRIPT = WORKLOADS / "sg_workloads.py"
 sys.path.insert(0, str(WORKLOADS))
 import sg_workloads as wl  # noqa: E402
 
-STEPS = 8
+#: Each signal comes in one of the two steps after the previous stop, and the ranks stop two or three steps
+#: after it (the agreement is read one step late): the second stop is at step 10 at the latest, before the end.
+STEPS = 11
 GRACE_S = 15.0
 _STOPPED = re.compile(r"the workers stopped at step (\d+) and saved (\S+);")
 _TOOK = re.compile(r"; ([\d.]+) s from the signal to the end \(grace period 15 s\)")
@@ -114,7 +116,7 @@ def test_sigterm_to_the_launcher_or_a_worker_stops_with_a_checkpoint_and_resumes
     checkpoints = root / "runs" / "run0" / "checkpoints"
     stopped = 0
     for target in targets:
-        at = random.randrange(stopped + 1, stopped + 4)
+        at = random.randrange(stopped + 1, stopped + 3)
         err, took = _preempted_run(root, strategy, extra, target, at)
         match = _STOPPED.search(err)
         assert match, f"seed {seed}: {err[-3000:]}"
