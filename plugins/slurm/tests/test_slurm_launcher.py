@@ -135,7 +135,16 @@ def test_ctrl_c_cancels_the_job(slurm, tmp_path: Path) -> None:
     root = tmp_path
     command = [sys.executable, str(SCRIPT), "--devices", "2", "--steps", "200", "--step-sleep", "0.2"]
     command += ["--launcher", "slurm", "--root", str(root / "runs"), "--out", str(root / "out")]
-    launcher = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        command,
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # Ctrl-C as a terminal delivers it: a suite started in the background by a shell inherits SIGINT
+        # ignored, and Python then leaves it ignored in the launching process.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     out: list[str] = []
     err: list[str] = []
     readers = [_reader(launcher.stdout, out), _reader(launcher.stderr, err)]
