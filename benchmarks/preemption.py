@@ -72,14 +72,15 @@ def trial(strategy: str, target: str, at: int, args: argparse.Namespace, want: d
     env = dict(os.environ, SG_PROGRESS_DIR=str(marks))
     line = command(strategy, root, args, "--step-sleep", str(args.step_sleep))
     launcher = subprocess.Popen(line, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while (seen := progress(marks, 0)) is None or seen[0] < at:
+    # Until rank 0 has begun step `at` and both ranks have said who they are.
+    while (seen := [progress(marks, r) for r in range(2)])[0] is None or seen[0][0] < at or seen[1] is None:
         if launcher.poll() is not None:
             raise RuntimeError(
                 f"{strategy}: the run ended before step {at}:\n{launcher.communicate()[1][-3000:]}"
             )
         time.sleep(0.005)
     rank = random.randrange(2)
-    workers = [progress(marks, r)[1] for r in range(2)]  # type: ignore[index]
+    workers = [mark[1] for mark in seen if mark is not None]
     pid = launcher.pid if target == "launcher" else workers[rank]
     sent = time.monotonic()
     os.kill(pid, signal.SIGTERM)

@@ -44,7 +44,7 @@ class Agreement:
         if self._group is None:
             # A strategy whose collectives are not torch.distributed's: agree at once through its all_reduce.
             flag = torch.tensor(local, dtype=torch.float64, device=self.engine.device)
-            return tuple(self.engine.all_reduce(flag, "max").tolist())  # type: ignore[return-value]
+            return _triple(self.engine.all_reduce(flag, "max"))
         previous = self.settle()
         if previous is None or previous[0] == 0:
             self._start(local)
@@ -57,7 +57,7 @@ class Agreement:
         work, flag = self._pending
         self._pending = None
         work.wait()
-        return tuple(flag.tolist())  # type: ignore[return-value]
+        return _triple(flag)
 
     def _start(self, local: tuple[float, float, float]) -> None:
         import torch.distributed as dist
@@ -77,3 +77,8 @@ class Agreement:
         if group is None or pending is not None or not dist.is_initialized():
             return
         dist.destroy_process_group(group)
+
+
+def _triple(flag: torch.Tensor) -> tuple[float, float, float]:
+    signalled, negated_step, signal_number = flag.tolist()
+    return signalled, negated_step, signal_number
