@@ -80,5 +80,5 @@ class Agreement:
 
 
 def _triple(flag: torch.Tensor) -> tuple[float, float, float]:
-    signalled, negated_step, signal_number = flag.tolist()
-    return signalled, negated_step, signal_number
+    signalled, earliest_negated_time, signal_number = flag.tolist()
+    return signalled, earliest_negated_time, signal_number
