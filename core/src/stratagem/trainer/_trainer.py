@@ -283,14 +283,14 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         self._batch_size = loader_batch_size(train_dataloaders)
         if self._batch_size is not None:
             self.engine.check_batch_size(self._batch_size)
+        train_loader = self._prepare_loader(train_dataloaders)
+        val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
         resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
-            self._load_for_resume(resume_from)
+            self._load_for_resume(resume_from, train_loader)
         report = self._recovery.resumed(self.position.step, self._preemption.resumed)
         if report is not None:
             self.print(report)
-        train_loader = self._prepare_loader(train_dataloaders)
-        val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
         self.ckpt_path = resume_from
         with self._precision_errors():
             self._fit_loop(train_loader, val_loader)
