@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 import stratagem as sg
 from stratagem import hookimpl
 from stratagem.engine import STRATEGY_ENV
+from stratagem.engine.sampler import EpochSampler
 from stratagem.errors import ConfigurationError, UnknownStrategyError
 
 WORKLOADS = Path(__file__).parent / "workloads"
@@ -50,7 +51,8 @@ def test_single_process_loop_save_and_load(tmp_path: Path) -> None:
         module.configure_model()
     model, optimizer = engine.setup(module, module.configure_optimizers())
     loader = engine.setup_dataloaders(DataLoader(wl.dataset(), batch_size=8))
-    assert not isinstance(loader.sampler, DistributedSampler)  # one process: the loader is left alone
+    # One process: one share, the whole data set in its order (the epoch's order at any world size).
+    assert isinstance(loader.sampler, EpochSampler) and list(loader.sampler) == list(range(96))
     for x, y in loader:
         with engine.forward_context():
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -82,7 +84,7 @@ def test_launch_runs_the_function_in_every_process(temp_dir) -> None:
     assert (out["sum"], out["mean"], out["max"]) == (3.0, 1.5, 2.0)
     assert out["gather"] == [[0, 1], [0, 1, 2]]
     assert out["broadcast"] == {"from": 1}
-    assert out["sampler"] == "DistributedSampler"
+    assert out["sampler"] == "EpochSampler"
     assert out["indices"] == list(range(0, 96, 2))  # rank 0's half, in order (no shuffle asked)
     for accumulate in (1, 2):
         expected = wl.reference_loop(accumulate, batch=8, steps=5)

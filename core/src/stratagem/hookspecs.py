@@ -257,7 +257,7 @@ def run_evaluation_batch(
 
 @hookspec(firstresult=True)
 def distributed_sampler_kwargs() -> dict[str, int]:
-    """Return ``{"num_replicas": ..., "rank": ...}`` for a ``DistributedSampler``.
+    """Return ``{"num_replicas": ..., "rank": ...}`` for the sampler that deals the data to the ranks.
 
     Stops at the first non-``None`` result.
     """

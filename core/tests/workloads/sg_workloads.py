@@ -127,6 +127,40 @@ class Regression(sg.Module):
         self.extra_counter = extras["extra_counter"]
 
 
+class Indexed(Regression):
+    """A Regression whose batches also carry each sample's index in the data set (``indexed_dataset``): it
+    notes the indices it trained on, in order."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.seen: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, index = batch
+        self.seen += index.tolist()
+        return super().training_step((x, y), batch_idx)
+
+
+def indexed_dataset(n: int = 64) -> TensorDataset:
+    x, y = dataset(n).tensors
+    return TensorDataset(x, y, torch.arange(n))
+
+
+class NoisyIndices(torch.utils.data.Dataset):
+    """``indexed_dataset``'s samples, each index plus a draw from the loading process's torch RNG: what a random
+    augmentation draws, in a worker process when the loader has some."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.data = indexed_dataset(n)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        x, y, index = self.data[i]
+        return x, y, index + torch.rand(())
+
+
 def reference_loop(
     accumulate: int, batch: int, steps: int, clip: float | None = None
 ) -> dict[str, torch.Tensor]:

@@ -325,7 +325,9 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         return [StrategyOptimizer(opt, self._hooks, model) for opt in prepared]
 
     def setup_dataloaders(self, *loaders: Any, use_distributed_sampler: bool = True, seed: int = 0) -> Any:
-        """Give each loader a ``DistributedSampler`` (unless it has a custom sampler); return them."""
+        """Give each loader that takes its data in order or shuffled an
+        :class:`~stratagem.engine.sampler.EpochSampler` (this rank's share of one order per epoch, drawn from
+        ``seed`` and the epoch); return them. A sampler of the user's own is left alone."""
         from stratagem.engine.data import distribute_loader
 
         self.setup_environment()

@@ -15,7 +15,7 @@ from stratagem.checkpoint import PerRank, _store
 from stratagem.engine.seed import capture_rng
 from stratagem.errors import CheckpointError, ConfigurationError
 from stratagem.trainer._batch_rule import Consumption, continue_with
-from stratagem.trainer._resume import Position
+from stratagem.trainer._resume import Position, epoch_sampler
 from stratagem.trainer._run_dir import (
     CHECKPOINT_DIR,
     LAST_POINTER,
@@ -163,7 +163,7 @@ class CheckpointingMixin:
             return None
         return _store.location(found)
 
-    def _load_for_resume(self, path: Path | str) -> None:
+    def _load_for_resume(self, path: Path | str, train_loader: Any) -> None:
         rest = self.engine.load(path, self._live_state(), strict=True)
         progress = rest.get("progress")
         if not isinstance(progress, dict):
@@ -172,13 +172,14 @@ class CheckpointingMixin:
                 "holds no training position (it was not written by Trainer.save_checkpoint); load it "
                 "with Engine.load, or start fit() without ckpt_path.",
             )
-        self.position = Position(**{k: int(v) for k, v in progress.items()})
+        self.position = Position.from_dict(progress)
         self._resume = {"rng": rest.get("rng"), "epoch_rng": rest.get("epoch_rng")}
         accumulate, message = continue_with(
             self.position,
             rest.get("topology"),
             self._consumption(),
             keep_global_batch=self.options.keep_global_batch,
+            starts_at_sample=epoch_sampler(train_loader) is not None,
         )
         if accumulate != self.options.accumulate_grad_batches:
             self.options = attrs.evolve(self.options, accumulate_grad_batches=accumulate)

@@ -60,10 +60,10 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
     :param keep_last_k: keep only the newest k of those checkpoints.
     :param checkpoint_format: ``"full"`` or ``"sharded"``; default: the strategy's.
     :param default_root_dir: where ``metrics.csv`` and ``checkpoints/`` go.
-    :param seed: seed python, numpy and torch at the start of ``fit`` (and the distributed sampler's order).
+    :param seed: seed python, numpy and torch at the start of ``fit``, and draw a shuffled epoch's order.
     :param log_every_n_steps: reduce the logged metrics across ranks and write them out this often.
     :param enable_progress_bar: show the progress bar on rank 0.
-    :param use_distributed_sampler: give loaders a ``DistributedSampler`` unless they have a sampler of their own.
+    :param use_distributed_sampler: give loaders an ``EpochSampler`` unless they have a sampler of their own.
     :param timeout: seconds a rank may go without progress: the hang watchdog then names the rank that did not
         arrive and ends the run (or the attempt, with restarts); collectives time out somewhat later.
     :param max_restarts: restart the workers this many times after a failure (a crash, a kill, a hang), resuming
@@ -283,14 +283,14 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         self._batch_size = loader_batch_size(train_dataloaders)
         if self._batch_size is not None:
             self.engine.check_batch_size(self._batch_size)
+        train_loader = self._prepare_loader(train_dataloaders)
+        val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
         resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
-            self._load_for_resume(resume_from)
+            self._load_for_resume(resume_from, train_loader)
         report = self._recovery.resumed(self.position.step, self._preemption.resumed)
         if report is not None:
             self.print(report)
-        train_loader = self._prepare_loader(train_dataloaders)
-        val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
         self.ckpt_path = resume_from
         with self._precision_errors():
             self._fit_loop(train_loader, val_loader)
