@@ -78,6 +78,11 @@ def test_auto_means_ddp_with_several_processes() -> None:
         assert registry.auto(world_size=2, accelerator="cpu", precision=precision).name == "ddp"
     candidates = sorted(i.name for i in registry if i.capabilities.auto_priority is not None)
     assert candidates == ["ddp"], candidates
+    # What a user meets: an Engine (and so a Trainer) that wants two processes, before anything starts.
+    from stratagem import Engine
+
+    assert Engine(strategy="auto", accelerator="cpu", devices=2).strategy_name == "ddp"
+    assert Engine(strategy="auto", accelerator="cpu", devices=1).strategy_name == "single_device"
 
 
 def _names_in_code(source: str) -> list[tuple[int, str]]:
