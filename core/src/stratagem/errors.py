@@ -57,21 +57,6 @@ class UnknownStrategyError(StratagemError, KeyError):
         return str(self.args[0])
 
 
-def __getattr__(name: str) -> object:
-    if name == "KNOWN_LAUNCHER_PACKAGES":
-        import warnings
-
-        warnings.warn(
-            "stratagem.errors.KNOWN_LAUNCHER_PACKAGES is deprecated and empty: the core names no plugin package. "
-            "What to install for a launcher comes from the installed plugins (the register_install_hints hook); "
-            "get_registry().hints.sentence('launcher', name) says it.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return {}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class UnknownLauncherError(StratagemError, KeyError):
     """A launcher name that no installed plugin registers (``install``: as :class:`UnknownStrategyError`)."""
 
@@ -245,3 +230,18 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+def __getattr__(name: str) -> object:
+    if name == "KNOWN_LAUNCHER_PACKAGES":
+        import warnings
+
+        warnings.warn(
+            "stratagem.errors.KNOWN_LAUNCHER_PACKAGES is deprecated and empty: the core names no plugin package. "
+            "What to install for a launcher comes from the installed plugins (the register_install_hints hook); "
+            "get_registry().hints.sentence('launcher', name) says it.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return {}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
