@@ -133,3 +133,14 @@ def test_auto_priority_is_a_whole_number_or_none() -> None:
     for bad in (True, 1.5, "high"):
         with pytest.raises(ValueError, match=r"auto_priority=.*give a whole number, or None"):
             Capabilities(auto_priority=bad)  # type: ignore[arg-type]
+
+
+def test_the_core_table_of_launcher_packages_is_deprecated_and_empty() -> None:
+    from stratagem import errors
+
+    with pytest.warns(
+        DeprecationWarning, match=r"KNOWN_LAUNCHER_PACKAGES is deprecated.*register_install_hints"
+    ):
+        assert errors.KNOWN_LAUNCHER_PACKAGES == {}
+    with pytest.raises(AttributeError, match="no attribute 'KNOWN_STRATEGY_PACKAGES'"):
+        errors.KNOWN_STRATEGY_PACKAGES  # noqa: B018
