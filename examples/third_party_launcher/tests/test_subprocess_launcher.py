@@ -95,3 +95,32 @@ def _alive(pid: int) -> bool:
 def test_a_function_job_returns_every_ranks_result() -> None:
     job = LaunchJob(kind="function", function=json.dumps, args=({"rank": 1},), nproc_per_node=2)
     assert SubprocessLauncher().launch_workers(job) == {0: '{"rank": 1}', 1: '{"rank": 1}'}
+
+
+#: A user's script: the function it launches is defined in its ``__main__``, which the workers must import.
+SCRIPT = """
+import stratagem as sg
+
+
+def main(engine, offset):
+    import torch
+
+    total = engine.all_reduce(torch.tensor([float(engine.rank + offset)]), "sum")
+    return {"rank": engine.rank, "world": engine.world_size, "sum": total.item()}
+
+
+if __name__ == "__main__":
+    engine = sg.Engine(strategy="auto", accelerator="cpu", devices=2, launcher="subprocess")
+    print("result:", engine.launch(main, 10))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_engine_launch_of_a_function_defined_in_the_users_script(tmp_path: Path) -> None:
+    # What the contract suite does not try: a function that pickles as __main__.main, through the Engine.
+    (tmp_path / "script.py").write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=280
+    )
+    assert "result: {'rank': 0, 'world': 2, 'sum': 21.0}" in done.stdout, done.stdout + done.stderr[-3000:]
