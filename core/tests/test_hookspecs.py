@@ -43,10 +43,12 @@ STEP_TABLE = {"check_batch_size", "run_training_batch", "run_evaluation_batch"}
 LAUNCHER_TABLE = {"register_launchers", "launch_workers"}
 #: Callbacks and loggers: their discovery hooks and the Trainer's events (issue 18).
 CALLBACK_TABLE = {"register_callbacks", "register_loggers", *hookspecs.TRAINER_EVENTS}
+#: What to install for a name no plugin registers, declared by the plugins (issue 37: the core names none).
+HINTS_TABLE = {"register_install_hints"}
 
 
 def test_every_design_hook_exists():
-    assert set(HOOKS) == DESIGN_TABLE | STEP_TABLE | LAUNCHER_TABLE | CALLBACK_TABLE
+    assert set(HOOKS) == DESIGN_TABLE | STEP_TABLE | LAUNCHER_TABLE | CALLBACK_TABLE | HINTS_TABLE
 
 
 def test_trainer_events_are_broadcast_hooks_and_no_strategy_operation():

@@ -123,10 +123,10 @@ def test_worker_environment_shares_the_cores_and_keeps_user_settings(monkeypatch
 
 
 def test_a_task_that_srun_started_gets_the_threads_of_an_elastic_worker() -> None:
-    from stratagem.launchers._spawn import task_threads
+    from stratagem.launchers import worker_threads
 
     cores = os.cpu_count() or 1
-    assert task_threads({"SLURM_CPUS_PER_TASK": "3", "SLURM_NTASKS": "8", "SLURM_NNODES": "2"}) == 3
+    assert worker_threads({"SLURM_CPUS_PER_TASK": "3", "SLURM_NTASKS": "8", "SLURM_NNODES": "2"}) == 3
     # No CPUs given per task: the node's cores shared by the step's tasks on it, as devices=4 would share them.
-    assert task_threads({"SLURM_NTASKS": "8", "SLURM_NNODES": "2"}) == max(1, cores // 4)
-    assert task_threads({"SLURM_NTASKS": "1", "SLURM_NNODES": "1"}) == cores
+    assert worker_threads({"SLURM_NTASKS": "8", "SLURM_NNODES": "2"}) == max(1, cores // 4)
+    assert worker_threads({"SLURM_NTASKS": "1", "SLURM_NNODES": "1"}) == cores

@@ -40,8 +40,8 @@ def test_unknown_names_say_what_exists(monkeypatch) -> None:
         sg.Engine(strategy="ddp", accelerator="cpu", devices=2)
 
 
-def test_a_launcher_from_a_package_that_is_not_installed_gives_the_pip_command() -> None:
-    # Only the built-ins load: as on a machine without stratagem-ray.
+def test_a_launcher_that_is_not_installed_says_where_launchers_come_from() -> None:
+    # Only the built-ins load: the core alone names no plugin package, and says where to look.
     code = (
         "import stratagem as sg\n"
         "from stratagem.strategies import TorchDistributedStrategy\n"
@@ -55,9 +55,10 @@ def test_a_launcher_from_a_package_that_is_not_installed_gives_the_pip_command()
         timeout=120,
         env={**os.environ, "STRATAGEM_PLUGINS": ""},
     )
-    assert "Unknown launcher 'ray'. It comes with stratagem-ray: pip install stratagem-ray." in done.stdout, (
-        done.stdout + done.stderr
-    )
+    assert (
+        "Unknown launcher 'ray'. Installed launchers: elastic. Other launchers come with plugin packages: "
+        "`stratagem launchers` lists what is installed" in done.stdout
+    ), done.stdout + done.stderr
 
 
 def test_capabilities_are_checked_before_anything_starts() -> None:

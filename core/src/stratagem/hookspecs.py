@@ -52,6 +52,21 @@ def register_strategies(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec
+def register_install_hints(register: Callable[..., None]) -> None:
+    """Say which distributions provide names this plugin does not register.
+
+    That is the hint a user gets when one of those names is asked for and not installed (``Unknown launcher
+    'ray'. It comes with stratagem-ray: pip install stratagem-ray.``). The core names no plugin package, so
+    what to install comes from the plugins that are installed: a family of packages names its siblings. Called once per plugin when the registry is built; every implementation
+    runs. Must not import heavy modules.
+
+    :param register: ``register(distribution, *, strategies=(), launchers=(), callbacks=(), loggers=(),
+        install=None)``: the names of each kind that ``distribution`` registers; ``install`` is what to
+        ``pip install`` (default: the distribution).
+    """
+
+
 # -------------------------------------------------------------------------------------------------
 # environment
 # -------------------------------------------------------------------------------------------------

@@ -256,7 +256,7 @@ def test_a_sharded_checkpoint_at_pp2_loads_under_fsdp_and_pp4(run2: dict, run4: 
 def test_a_sharded_checkpoint_at_pp2_loads_under_single_device_after_consolidation(
     run2: dict, sharded: Path, tmp_path: Path
 ) -> None:
-    from stratagem.checkpoint._offline import consolidate
+    from stratagem.checkpoint import consolidate
 
     consolidate(sharded, tmp_path / "whole.ckpt")
     engine = sg.Engine("single_device", accelerator="cpu")

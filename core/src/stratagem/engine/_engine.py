@@ -165,14 +165,8 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         return self._check(name), None
 
     def _auto_name(self, registry: Any) -> str:
-        if self.world_size_requested == 1:
-            return "single_device"
-        if "ddp" in registry:
-            return "ddp"
-        raise ConfigurationError(
-            f"strategy='auto' with {self.world_size_requested} processes needs a multi-process strategy. "
-            "Install one: pip install stratagem-ddp (or stratagem-fsdp), or name a strategy."
-        )
+        request = dict(accelerator=self.accelerator, precision=self.precision)
+        return registry.auto(world_size=self.world_size_requested, **request).name
 
     def _check(self, name: str) -> Any:
         return get_registry().check_request(

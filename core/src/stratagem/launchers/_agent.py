@@ -29,7 +29,7 @@ from typing import Any
 
 from stratagem.errors import PREEMPTED_EXIT_CODE
 from stratagem.launchers import _preemption
-from stratagem.launchers._failures import describe
+from stratagem.launchers._failures import describe_failure
 from stratagem.launchers._restarts import RESTART_COUNT_ENV, RESTART_LOG_ENV
 
 __all__ = ["RESTART_LOG", "RESTART_LOG_ENV", "run_agent"]
@@ -160,7 +160,7 @@ def _agent_class() -> type:
         def _note(self, worker_group: Any, result: Any) -> None:
             spec = worker_group.spec
             attempt = spec.max_restarts - self._remaining_restarts
-            root = describe(result.failures) if result.failures else None
+            root = describe_failure(result.failures) if result.failures else None
             why = "" if root is None else root.detail.strip().splitlines()[-1] if root.detail.strip() else ""
             entry = {
                 "attempt": attempt,

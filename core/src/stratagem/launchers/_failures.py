@@ -1,5 +1,7 @@
-"""Reading how workers failed, from what torch's elastic agent collected: which failure started it all, and
-what to tell the user about it."""
+"""How a worker's failure is recorded and read back: the worker writes its uncaught exception to the file its
+launcher named (:func:`record_exception`, in torch's elastic error-file format); the launcher reads what each
+worker left (:class:`WorkerExit`, or torch's own records) and tells the user which failure started it all
+(:func:`describe_failure`). The elastic launcher, stratagem-slurm and any third-party launcher share it."""
 
 from __future__ import annotations
 
@@ -7,14 +9,25 @@ import contextlib
 import json
 import os
 import signal
+import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from stratagem.errors import WorkerFailedError
 
+#: The environment variable naming the file where a worker records its uncaught exception: a launcher gives
+#: each worker a file of its own; stratagem, in the worker, writes there (:func:`record_exception`). The name is
+#: torch's elastic agent's, so that workers started by torchrun record their failures the same way.
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 #: Beside the agent's error file, a worker notes when it failed (see :func:`root_failure`).
 FAILURE_SUFFIX = ".stratagem.json"
+#: A worker whose collective lost its peer waits this long before it exits, so that the peer's own failure (the
+#: cause) reaches the launcher first; a launcher that sees a lost peer first may wait as long for the cause.
+LOST_PEER_GRACE_S = 3.0
 
 #: What a collective says when the peer it waits for is gone (gloo's TCP transport, c10d's store, NCCL).
 _LOST_PEER_SIGNS = (
@@ -29,7 +42,7 @@ _LOST_PEER_SIGNS = (
 )
 
 
-def lost_peer(text: str) -> bool:
+def is_lost_peer(text: str) -> bool:
     """Whether an exception's text (type, message or traceback) is a collective losing its peer.
 
     Such an exception is a consequence, not a cause: the peer failed first, though its exception may be noted
@@ -63,7 +76,7 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     The agent orders failures by whole seconds, so a rank that failed because its peer vanished can tie with
     the peer. A worker that died without recording an exception (a signal other than the agent's SIGTERM,
     ``sys.exit(n)``) is a root cause: a lost peer shows up as an exception. Otherwise the earliest recorded
-    exception that is not a collective losing its peer (:func:`lost_peer`) is, and failing that the earliest.
+    exception that is not a collective losing its peer (:func:`is_lost_peer`) is, and failing that the earliest.
     """
     silent = [
         (f.timestamp, rank, f)
@@ -88,8 +101,14 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     return rank, failures[rank]
 
 
-def describe(failures: Mapping[int, Any]) -> WorkerFailedError:
-    """The run's failure as stratagem reports it: the root failure's rank and its traceback or signal."""
+def describe_failure(failures: Mapping[int, Any]) -> WorkerFailedError:
+    """The run's failure as stratagem reports it: the rank whose failure started it all, with its traceback (or
+    the signal that killed it).
+
+    :param failures: by global rank, how each worker that did not exit 0 ended: a :class:`WorkerExit`, or
+        anything with the same attributes (torch's elastic ``ProcessFailure`` has them). A worker stopped by
+        the launcher with SIGTERM after another failed is not taken for the cause.
+    """
     rank, failure = root_failure(failures)
     exitcode = failure.exitcode
     # A worker that recorded its exception failed because of it, even if its exit then ended by a signal.
@@ -106,3 +125,70 @@ def describe(failures: Mapping[int, Any]) -> WorkerFailedError:
         stack = data["message"].get("extraInfo", {}).get("py_callstack", "")
     detail = (stack or message or "no traceback recorded (see the worker's output above)").rstrip()
     return WorkerFailedError(rank, exitcode, detail)
+
+
+@attrs.frozen(kw_only=True)
+class WorkerExit:
+    """How one worker process ended, as its launcher saw it: what :func:`describe_failure` reads.
+
+    :param exitcode: the exit status; negative when a signal killed the process (``-9``); ``None`` if unknown.
+    :param timestamp: when it ended (``time.time()``), or when the launcher noticed.
+    :param error_file: the file the worker was given in :data:`ERROR_FILE_ENV` (``""`` if none), where
+        stratagem recorded its uncaught exception.
+    :param message: what the launcher knows about the end, shown when the worker recorded nothing.
+    """
+
+    exitcode: int | None
+    timestamp: float
+    error_file: str = ""
+    message: str = ""
+
+    @property
+    def error_file_data(self) -> dict[str, Any]:
+        """What the worker recorded in its error file (``{}`` when it recorded nothing)."""
+        try:
+            data = json.loads(Path(self.error_file).read_text()) if self.error_file else {}
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+
+def _note_failure_time(error: BaseException | None = None) -> None:
+    text = "" if error is None else "".join(traceback.format_exception_only(type(error), error))
+    consequence = is_lost_peer(text)
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        with contextlib.suppress(OSError):
+            with open(path + FAILURE_SUFFIX, "w") as file:
+                json.dump({"time": time.time(), "lost_peer": consequence}, file)
+    if consequence:
+        time.sleep(LOST_PEER_GRACE_S)
+
+
+def record_exception(kind: type[BaseException], value: BaseException, tb: Any) -> bool:
+    """In a worker: record an exception where its launcher reads it (the file named by :data:`ERROR_FILE_ENV`).
+
+    Returns ``False`` when there is nowhere to record it. A collective that lost its peer is recorded as such,
+    and the call then waits :data:`LOST_PEER_GRACE_S` so that the peer's own failure reaches the launcher
+    first. Scripts need not call it: stratagem records an uncaught exception in every worker. A launcher that
+    runs a function job in a process of its own calls it when the function raises, then exits non-zero.
+    """
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return False
+    data = {
+        "message": {
+            "message": f"{kind.__name__}: {value}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    try:
+        with open(path, "w") as file:
+            json.dump(data, file)
+    except OSError:
+        return False
+    _note_failure_time(value)
+    return True

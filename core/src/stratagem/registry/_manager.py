@@ -40,7 +40,13 @@ BUILTIN_CALLBACKS = "stratagem.callbacks._builtin"
 BUILTIN_LOGGERS = "stratagem.loggers._builtin"
 #: Discovery hooks (every implementation runs) and the launcher's operation: not strategy operations.
 DISCOVERY_HOOKS = frozenset(
-    {"register_strategies", "register_launchers", "register_callbacks", "register_loggers"}
+    {
+        "register_strategies",
+        "register_launchers",
+        "register_callbacks",
+        "register_loggers",
+        "register_install_hints",
+    }
 )
 LAUNCHER_HOOKS = frozenset({"launch_workers"})
 #: The Trainer's events: broadcast hooks of callbacks and loggers, never of a strategy.
@@ -153,6 +159,9 @@ def discover(environ: Mapping[str, str] | None = None) -> tuple[Registry, list[t
             for impl in pm.hook.register_loggers.get_hookimpls():
                 if impl.plugin is module:
                     impl.function(register=registry.callback_registrar(info, "logger"))
+            for impl in pm.hook.register_install_hints.get_hookimpls():
+                if impl.plugin is module:
+                    impl.function(register=registry.hints.registrar(info))
         except Exception as error:
             registry.broken.append(PluginLoadError(label, info.distribution, info.version, error))
             continue

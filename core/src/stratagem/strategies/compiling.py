@@ -31,6 +31,7 @@ __all__ = [
     "compile_options",
     "compile_regions",
     "dynamo_counts",
+    "region_names",
     "unwrap_compiled",
 ]
 
@@ -240,6 +241,15 @@ def compile_regions(module: torch.nn.Module, options: CompileOptions, prefix: st
         _regions.compile_in_place(region, full, options)
         names.append(full)
     return names
+
+
+def region_names(module: torch.nn.Module, options: CompileOptions) -> list[str]:
+    """The names of the regions :func:`compile_regions` would compile in ``module`` (``""``: the whole module),
+    compiling nothing: for a strategy that chooses the regions on the whole model and compiles them piece by
+    piece (a pipeline's stages, of which one may hold a single block that alone does not repeat)."""
+    from stratagem.strategies import _regions
+
+    return [name for name, _ in _regions.find_regions(module, options.regional)]
 
 
 def unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str], CompileOptions | None]:

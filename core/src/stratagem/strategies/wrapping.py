@@ -62,6 +62,8 @@ def wrapping_with(
 
 
 def has_meta_tensors(module: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device (built under ``empty_init=True``
+    and not materialised yet)."""
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 

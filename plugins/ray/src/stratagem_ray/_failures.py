@@ -33,10 +33,9 @@ def _root_cause(first: WorkerFailedError, pending: dict[Any, int]) -> WorkerFail
     exception leaves the actor)."""
     import ray
 
-    from stratagem.launchers._failures import lost_peer
-    from stratagem.launchers._spawn import LOST_PEER_GRACE_S
+    from stratagem.launchers import LOST_PEER_GRACE_S, is_lost_peer
 
-    if not lost_peer(first.detail):
+    if not is_lost_peer(first.detail):
         return first
     deadline = time.monotonic() + LOST_PEER_GRACE_S
     while pending and (left := deadline - time.monotonic()) > 0:
@@ -48,7 +47,7 @@ def _root_cause(first: WorkerFailedError, pending: dict[Any, int]) -> WorkerFail
             ray.get(done[0])
         except Exception as error:
             failure = _describe(rank, error)
-            if not lost_peer(failure.detail):
+            if not is_lost_peer(failure.detail):
                 return failure
     return first
 
