@@ -187,10 +187,16 @@ def compiled_then_predicted(root: str) -> dict[str, Any]:
             "optimizer_state": [w.clean(k) for k in optimizer["state"]],
             "optimizer_groups": [[w.clean(k) for k in g["params"]] for g in optimizer["param_groups"]],
         }
-    tokens = torch.cat([x for x, _ in w.batches()[:2]])
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=w.GLOBAL_BATCH)
-    result.update(predictions=t.predict(dataloaders=loader), predict_tokens=tokens)
-    return done(result)
+    return done(predicted(result, 16))
+
+
+def predicted(result: dict[str, Any], count: int, per_process: int = w.GLOBAL_BATCH) -> dict[str, Any]:
+    """``Trainer.predict`` after ``fit``, on ``count`` samples of tokens alone (each data-parallel replica
+    predicts its share; rank 0 puts them back in dataset order)."""
+    tokens = torch.cat([x for x, _ in w.batches()[:2]])[:count]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=per_process)
+    result.update(predictions=result["trainer"].predict(dataloaders=loader), predict_tokens=tokens)
+    return result
 
 
 class StepOnly(w.TinyLM, sg.Module):
@@ -269,7 +275,11 @@ def four_process_checks(engine: sg.Engine, root: str, checkpoints: dict[str, str
         w.guard(
             out, f"pp4/{schedule}", lambda s=schedule: done(fit(PPStrategy(schedule=s), 4, f"{root}/{s}"))
         )
-    w.guard(out, "pp_fsdp", lambda: done(fit(PPFSDPStrategy(pipeline_parallel_size=2), 4, f"{root}/f", dp=2)))
+    w.guard(
+        out,
+        "pp_fsdp",
+        lambda: done(predicted(fit(PPFSDPStrategy(pipeline_parallel_size=2), 4, f"{root}/f", dp=2), 16, 4)),
+    )
     w.guard(
         out,
         "pp_fsdp_meta_resharding",
@@ -288,7 +298,7 @@ def four_process_checks(engine: sg.Engine, root: str, checkpoints: dict[str, str
         ),
     )
     tp = PPFSDPTPStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, tp_plan=w.TP_PLAN)
-    w.guard(out, "pp_fsdp_tp", lambda: done(fit(tp, 4, f"{root}/t")))
+    w.guard(out, "pp_fsdp_tp", lambda: done(predicted(fit(tp, 4, f"{root}/t"), 16)))
     for name, path in checkpoints.items():
         w.guard(out, f"pp4_loads_{name}", lambda p=path: loaded(PPStrategy(), 4, p))
     w.guard(

@@ -134,10 +134,13 @@ def test_a_full_checkpoint_lists_names_in_the_models_order(run2: dict) -> None:
     assert order["optimizer_state"] == names and order["optimizer_groups"] == [names]
 
 
-def test_predict_returns_the_last_stages_outputs_on_rank_zero(run2: dict, ref: dict) -> None:
-    result = _ok(run2, "compiled")
+def _predicts_as_one_process(result: dict[str, Any], batch: int) -> None:
+    """Rank 0's predictions are the trained model's forward in one process, batched as one process batches them;
+    an untrained model's are far off."""
     predictions = result["predictions"]
-    assert [p.shape for p in predictions] == [(w.GLOBAL_BATCH, w.SEQUENCE, w.VOCAB)] * 2
+    count = len(result["predict_tokens"])
+    sizes = [batch] * (count // batch) + ([count % batch] if count % batch else [])
+    assert [p.shape for p in predictions] == [(size, w.SEQUENCE, w.VOCAB) for size in sizes]
     trained = w.make_model()
     trained.load_state_dict(result["params"])
     with torch.no_grad():
@@ -146,6 +149,17 @@ def test_predict_returns_the_last_stages_outputs_on_rank_zero(run2: dict, ref: d
     got = torch.cat(predictions)
     assert float((got - expected).abs().max()) < 1e-8 * float(expected.abs().max())
     assert float((untrained - expected).abs().max()) > 1e-2 * float(expected.abs().max())
+
+
+def test_predict_returns_the_last_stages_outputs_on_rank_zero(run2: dict) -> None:
+    _predicts_as_one_process(_ok(run2, "compiled"), w.GLOBAL_BATCH)
+
+
+@pytest.mark.parametrize("key", ["pp_fsdp", "pp_fsdp_tp"])
+def test_predict_under_sharded_stages_returns_every_replicas_share_in_order(run4: dict, key: str) -> None:
+    # pp_fsdp: two replicas, each predicting every other sample in batches of 4; pp_fsdp_tp: one replica whose
+    # last stage's head is split over tp and gathered.
+    _predicts_as_one_process(_ok(run4, key), 4 if key == "pp_fsdp" else w.GLOBAL_BATCH)
 
 
 @pytest.mark.parametrize("key", ["pp4/1f1b", "pp4/interleaved_1f1b"])
