@@ -152,14 +152,29 @@ def _predicts_as_one_process(result: dict[str, Any], batch: int) -> None:
 
 
 def test_predict_returns_the_last_stages_outputs_on_rank_zero(run2: dict) -> None:
+    # 12 samples in batches of 8: the second batch, of 4, has micro-batches of another shape than the first's.
     _predicts_as_one_process(_ok(run2, "compiled"), w.GLOBAL_BATCH)
 
 
 @pytest.mark.parametrize("key", ["pp_fsdp", "pp_fsdp_tp"])
 def test_predict_under_sharded_stages_returns_every_replicas_share_in_order(run4: dict, key: str) -> None:
-    # pp_fsdp: two replicas, each predicting every other sample in batches of 4; pp_fsdp_tp: one replica whose
+    # pp_fsdp: 10 samples over two replicas, each predicting every other sample in batches of 4, then a batch
+    # of 1 that the 2 micro-batches do not divide; pp_fsdp_tp: 12 samples in batches of 8 on one replica whose
     # last stage's head is split over tp and gathered.
     _predicts_as_one_process(_ok(run4, key), 4 if key == "pp_fsdp" else w.GLOBAL_BATCH)
+
+
+def test_a_shorter_last_batch_trains_and_validates_as_one_process(run2: dict) -> None:
+    # Every other step a batch of 4 after one of 8: the stages learn the new micro-batch shape each time.
+    data = w.uneven_batches()
+    result, expected = _ok(run2, "shorter_batches"), w.reference(data=data)
+    assert w.rel_diff(result["params"], expected["params"]) < TOL
+    assert result["losses"] == pytest.approx(expected["losses"], rel=TOL)
+    trained = w.make_model()
+    trained.load_state_dict(expected["params"])
+    with torch.no_grad():
+        val_loss = sum(float(w.loss_fn(trained(x), y)) for x, y in data[:2]) / 2
+    assert result["eval_loss"] == pytest.approx(val_loss, rel=TOL)
 
 
 @pytest.mark.parametrize("key", ["pp4/1f1b", "pp4/interleaved_1f1b"])
@@ -300,6 +315,10 @@ def test_bad_input_is_refused_before_training(run2: dict, run4: dict) -> None:
     message = bad["stages"]["error"]
     assert "16 pipeline stages" in message and "8 blocks in 'blocks'" in message
     assert "pipeline_parallel_size=3 does not divide the world size 4" in run4["bad_size"]
+    accumulation = run4["bad_accumulation"]
+    assert accumulation["batches"] == 1, accumulation  # the batch of 4 trained, the one of 2 refused
+    assert "training batch of shapes [(2, 6)] came after batches of shapes [(4, 6)]" in accumulation["error"]
+    assert "drop_last=True" in accumulation["error"]
 
 
 def test_a_module_without_its_loss_is_refused_before_launching(tmp_path: Path) -> None:
