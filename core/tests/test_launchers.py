@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -103,6 +104,36 @@ def test_launcher_options_reach_the_named_launcher(monkeypatch) -> None:
         sg.Engine(**common, launcher_options={"tga": "x"})
     with pytest.raises(ConfigurationError, match="give the options to its constructor"):
         sg.Engine(**{**common, "launcher": _Tagged()}, launcher_options={"tag": "x"})
+
+
+class _AllNodes(Launcher):
+    """Starts every node's workers from this process (as stratagem-ray's does); here it runs nothing."""
+
+    def __init__(self, tag: str = "none") -> None:
+        self.tag = tag
+
+    @sg.hookimpl
+    def launch_workers(self, job: Any) -> dict[int, Any]:
+        return {0: (self.tag, job.max_nodes, job.nproc_per_node)}
+
+
+def test_an_instance_built_by_hand_has_its_registered_capabilities(monkeypatch) -> None:
+    # Trainer(num_nodes=4, launcher=RayLauncher(address=...)): the instance has no registered name, its class
+    # does. Found by its class, it may start every node, and what it cannot run is refused before launching.
+    plugin = PluginInfo(name="t", distribution="test-launchers", version="0")
+    for name, factory, nodes in (("all_nodes", _AllNodes, True), ("one_node", _Tagged, False)):
+        info = LauncherInfo(
+            name=name,
+            factory=f"{factory.__module__}:{factory.__qualname__}",
+            description="d",
+            capabilities=LauncherCapabilities(multi_node=nodes, starts_all_nodes=nodes),
+            plugin=plugin,
+        )
+        monkeypatch.setitem(sg.get_registry().launchers, name, info)
+    engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2, num_nodes=2, launcher=_AllNodes("x"))
+    assert engine.launch(print) == ("x", 2, 2)
+    with pytest.raises(ConfigurationError, match=r"Launcher 'one_node' cannot run 2 nodes"):
+        sg.Engine(strategy="ddp", accelerator="cpu", devices=1, num_nodes=2, launcher=_Tagged())
 
 
 def test_elastic_cannot_start_other_nodes_from_one_process() -> None:

@@ -252,6 +252,25 @@ def test_consolidated_checkpoint_loads_under_single_device_bit_equal(run4: dict,
     engine.teardown()
 
 
+class TrainedLM(w.TinyLM, sg.Module):
+    """The tests' model as a Module, for ``load_from_checkpoint``."""
+
+
+def test_load_from_checkpoint_of_the_sharded_2x2_checkpoint_in_one_process(run4: dict, workdir: Path) -> None:
+    # Offline, no process group: the DTensors sharded over dp and tp read back whole.
+    result = _ok(run4, "string")
+    module = TrainedLM.load_from_checkpoint(workdir / "fsdp_tp_2x2", heads=w.HEADS)
+    assert w.max_diff({n: p.detach() for n, p in module.named_parameters()}, result["params"]) == 0.0
+    tokens = w.dataset()[: w.GLOBAL_BATCH][0]
+    with torch.no_grad():
+        logits, untrained = module(tokens), w.make_model()(tokens)
+    # Against what the 2 x 2 model computed: float32 sums split over tp add up in another order.
+    probe = result["probe_logits"]
+    scale = float(probe.abs().max())
+    assert float((logits - probe).abs().max()) < 1e-5 * scale
+    assert float((untrained - probe).abs().max()) > 1e-1 * scale
+
+
 # -------------------------------------------------------------------------------------------------
 # Hugging Face Llama with its own plan
 # -------------------------------------------------------------------------------------------------

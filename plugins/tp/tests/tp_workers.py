@@ -278,6 +278,13 @@ def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
         run_engine.save(path, {"model": model, "optimizer": opt, "step": STEPS})
         run_engine.save(path + ".pt", {"model": model, "optimizer": opt, "step": STEPS}, format="full")
         result["saved_optimizer"] = full_optimizer(model, opt)
+        # What the trained 2 x 2 model predicts (every rank the same tokens): Module.load_from_checkpoint of
+        # the sharded checkpoint must give it back in one process.
+        with torch.no_grad():
+            logits = model(dataset()[:GLOBAL_BATCH][0])
+        result["probe_logits"] = (
+            (logits.full_tensor() if isinstance(logits, DTensor) else logits).detach().clone()
+        )
         run_engine.teardown()
         return result
 

@@ -45,9 +45,9 @@ class Launching:
                 raise ConfigurationError(
                     f"launcher_options={options!r} with a Launcher instance: give the options to its constructor."
                 )
-            name = launcher.registered_name
-            if name is not None and name in registry.launchers:
-                registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
+            info = _registration(launcher)
+            if info is not None:
+                registry.check_launcher(info.name, accelerator=self.accelerator, num_nodes=self.num_nodes)
             return launcher
         if not isinstance(launcher, str):
             raise ConfigurationError(f"launcher={launcher!r}: give a registered name or a Launcher instance.")
@@ -59,9 +59,8 @@ class Launching:
             raise ConfigurationError(f"launcher_options for launcher {name!r}: {error}.") from error
 
     def _launcher_starts_all_nodes(self) -> bool:
-        name = getattr(self._launcher, "registered_name", None)
-        registry = get_registry()
-        return name in registry.launchers and registry.launchers[name].capabilities.starts_all_nodes
+        info = _registration(self._launcher)
+        return info is not None and bool(info.capabilities.starts_all_nodes)
 
     def _run_job(self, job: Any) -> dict[int, Any]:
         from stratagem.registry._manager import LauncherHooks
@@ -170,3 +169,15 @@ def _worker_main(
     result = fn(engine, *args)
     engine.teardown()
     return result
+
+
+def _registration(launcher: Any) -> Any:
+    """The registry's entry for a launcher object: the name it was created under, else its class's (an instance
+    built by hand, ``RayLauncher(address=...)``, has no name but declares what its class does)."""
+    launchers = get_registry().launchers
+    name = getattr(launcher, "registered_name", None)
+    if name and name in launchers:
+        return launchers[name]
+    cls = type(launcher)
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    return next((info for info in launchers.values() if info.factory in (cls, path)), None)

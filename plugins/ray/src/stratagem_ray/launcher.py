@@ -31,7 +31,7 @@ from stratagem_ray import _cluster
 from stratagem_ray._failures import _describe, _root_cause
 from stratagem_ray._worker import _Worker
 
-#: How long a placement group may wait for its resources before the run is refused.
+#: How long a placement group that the nodes could hold may wait for resources in use before the run is refused.
 PLACEMENT_TIMEOUT_S = 60.0
 #: How long the driver waits at the end for the workers' last output lines to arrive.
 LOG_FLUSH_S = 1.5
@@ -47,6 +47,8 @@ class RayLauncher(Launcher):
         on CUDA).
     :param max_failures: restarts of the worker group after a failure (default: the Trainer's
         ``max_restarts``).
+    :param placement_timeout: seconds to wait for the workers' resources while other work holds them (a request
+        that no node could hold is refused at once).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class RayLauncher(Launcher):
         num_workers: int | None = None,
         resources_per_worker: dict[str, float] | None = None,
         max_failures: int | None = None,
+        placement_timeout: float = PLACEMENT_TIMEOUT_S,
     ) -> None:
         if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
             raise ConfigurationError(f"RayLauncher(num_workers={num_workers!r}): give a positive integer.")
@@ -62,10 +65,19 @@ class RayLauncher(Launcher):
             raise ConfigurationError(
                 f"RayLauncher(max_failures={max_failures!r}): give 0 or a positive integer."
             )
+        if (
+            isinstance(placement_timeout, bool)
+            or not isinstance(placement_timeout, (int, float))
+            or not (placement_timeout > 0)
+        ):
+            raise ConfigurationError(
+                f"RayLauncher(placement_timeout={placement_timeout!r}): give a positive number of seconds."
+            )
         self.address = address
         self.num_workers = num_workers
         self.resources_per_worker = dict(resources_per_worker) if resources_per_worker else None
         self.max_failures = max_failures
+        self.placement_timeout = float(placement_timeout)
 
     # the hook --------------------------------------------------------------------------------------------
     @hookimpl
@@ -80,9 +92,6 @@ class RayLauncher(Launcher):
             _cluster.check_resources(world, per_worker)
             return self._run(job, world, per_worker)
         finally:
-            # Ray's log monitor forwards the workers' output from their log files every so often: give it the
-            # time to send the last lines before this driver goes.
-            time.sleep(LOG_FLUSH_S)
             if local is not None:
                 local.stop()
 
@@ -94,17 +103,20 @@ class RayLauncher(Launcher):
         spread = per_node < world
         # One bundle per node, holding that node's workers; STRICT_SPREAD puts each bundle on its own Ray node.
         bundle = {key: value * per_node for key, value in per_worker.items()}
+        _cluster.check_placement(bundle, world // per_node, per_node)
         group = placement_group(
             [bundle] * (world // per_node), strategy="STRICT_SPREAD" if spread else "PACK"
         )
+        placed = False
         try:
-            ready = _wait(group.ready(), PLACEMENT_TIMEOUT_S)
-            if not ready:
+            if not _wait(group.ready(), self.placement_timeout):
                 raise ConfigurationError(
-                    f"Ray could not place {world} workers with {per_worker} each within {PLACEMENT_TIMEOUT_S:.0f} s"
-                    f"{f' as {world // per_node} nodes of {per_node}' if spread else ''}: the cluster has "
-                    f"{_cluster.resources_text()}."
+                    f"Ray could not place {_cluster.placement_text(bundle, world // per_node, per_node)} within "
+                    f"{self.placement_timeout:g} s: its nodes can hold that, but other work holds the resources "
+                    f"(free now: {_cluster.available_text(bundle)} of the cluster's {_cluster.resources_text()}). "
+                    "Wait for it to end, or give RayLauncher(placement_timeout=...) more seconds."
                 )
+            placed = True
             max_failures = job.max_restarts if self.max_failures is None else self.max_failures
             last: WorkerFailedError | None = None
             for attempt in range(max_failures + 1):
@@ -129,6 +141,10 @@ class RayLauncher(Launcher):
                 raise failure
             raise AssertionError("unreachable")
         finally:
+            if placed:
+                # Ray's log monitor forwards the workers' output from their log files every so often: give it
+                # the time to send the last lines before this driver goes.
+                time.sleep(LOG_FLUSH_S)
             remove_placement_group(group)
 
     def _attempt(
