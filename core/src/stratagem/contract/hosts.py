@@ -258,6 +258,45 @@ class Hosts:
             ns.ip("addr", "add", f"{host.address}/24", "dev", "eth0", namespace=host.namespace)
             ns.ip("link", "set", "eth0", "up", namespace=host.namespace)
 
+    def run_together(
+        self,
+        commands: Sequence[tuple[Host, Sequence[str]]],
+        *,
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+    ) -> list[subprocess.CompletedProcess]:
+        """Run each ``(host, argv)`` at once (one launcher per node, as on a cluster) and wait for all; each
+        result's ``stdout`` holds its output and error output together. After ``timeout`` seconds every command
+        still running is killed with all it started, and ``subprocess.TimeoutExpired`` is raised with every
+        command's output so far."""
+        logs = self.root / "logs"
+        logs.mkdir(exist_ok=True)
+        started = []
+        for host, argv in commands:
+            log = logs / f"{host.name}-{next(_serial)}.log"
+            with open(log, "wb") as out:
+                started.append((host, log, host.popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)))
+        deadline = time.monotonic() + timeout
+        expired = False
+        for _, _, process in started:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                expired = True
+                break
+        if expired:
+            for _, _, process in started:
+                ns.kill_pids(ns.descendants(process.pid))
+                process.wait()
+        results = [
+            subprocess.CompletedProcess(p.args, p.returncode, log.read_text(errors="replace"), "")
+            for _, log, p in started
+        ]
+        if expired:
+            joined = "".join(f"--- {h.name}: {r.stdout}" for (h, _, _), r in zip(started, results))
+            raise subprocess.TimeoutExpired([h.name for h, _, _ in started], timeout, joined)
+        return results
+
     def _reap(self) -> None:
         self._started = [p for p in self._started if p.poll() is None]
 
