@@ -3,13 +3,19 @@ for tests/test_many_hosts.py: run by every worker of a launch on one host or sev
 parameters it started from and those it ended with, the world size and the steps done to ``--out``.
 
 ``--step-sleep`` slows each step, so that a test can act between steps; ``--mark`` names a file rank 0 writes
-the step number to after each step."""
+the step number to after each step; ``--starts`` a file each process notes its start in (time, host)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+
+if "--starts" in sys.argv:  # before torch is imported: when this process began, and where
+    with open(sys.argv[sys.argv.index("--starts") + 1], "a") as note:
+        note.write(f"{time.time()} {os.uname().nodename}\n")
+
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +27,8 @@ from stratagem.cli.demo.model import CharLM, CharWindows, load_text
 
 
 class _Progress:
-    """Notes the parameters before the first step, and has rank 0 write each step done to a file (where a test
-    sees how far the run is)."""
+    """Notes the parameters as the first step of ``fit`` begins (those it resumed from, after a restart), and has
+    rank 0 write each step done to a file (where a test sees how far the run is)."""
 
     def __init__(self, module: torch.nn.Module, path: str | None) -> None:
         self.module, self.path = module, path
@@ -30,7 +36,7 @@ class _Progress:
 
     @sg.hookimpl
     def on_train_batch_start(self, trainer: Any, batch: Any, batch_idx: int) -> None:
-        if self.start is None and trainer.global_step == 0:
+        if self.start is None:
             self.start = _params(self.module)
 
     @sg.hookimpl
@@ -62,6 +68,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--mark", default=None)
+    p.add_argument("--starts", default=None)
+    p.add_argument("--ckpt-path", default=None)
     args = p.parse_args()
     torch.use_deterministic_algorithms(True)
     data = CharWindows(load_text(), block=32, stride=37)
@@ -93,7 +101,7 @@ def main() -> None:
 
         model.training_step = slowed  # type: ignore[method-assign]
     loader = DataLoader(data, batch_size=args.batch, shuffle=True, drop_last=True)
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=args.ckpt_path)
     params = _params(model)
     if trainer.engine.is_global_zero:
         result = {

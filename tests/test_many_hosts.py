@@ -4,7 +4,10 @@ model as the same four processes do on one host."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +49,18 @@ def one_host(make_hosts: Any) -> dict:
     return result
 
 
-def _assert_trained_alike(got: dict, want: dict, tolerance: float = 1e-6) -> None:
-    assert got["world_size"] == want["world_size"] == 4 and got["step"] == want["step"] == STEPS
+def _assert_trained_alike(
+    got: dict, want: dict, tolerance: float = 1e-6, world_size: int = 4, steps: int = STEPS
+) -> None:
+    assert got["world_size"] == want["world_size"] == world_size and got["step"] == want["step"] == steps
     assert got["params"].keys() == want["params"].keys()
     for name, value in want["start"].items():
         assert torch.equal(got["start"][name], value), f"{name}: the runs started apart"
     difference = max((got["params"][k] - v).abs().max().item() for k, v in want["params"].items())
     moved = max((v - want["start"][k]).abs().max().item() for k, v in want["params"].items())
-    print(f"largest difference {difference:.3g} from one host; training moved a parameter by {moved:.3g}")
+    print(
+        f"largest difference {difference:.3g} from the reference; training moved a parameter by {moved:.3g}"
+    )
     # A run that never trained would be `moved` away: a thousand times the tolerance.
     assert moved > 1000 * tolerance
     assert difference <= tolerance, f"largest difference {difference:.3g} (moved {moved:.3g})"
@@ -77,3 +84,116 @@ def test_torchrun_on_two_hosts_trains_as_four_processes_on_one(
     run += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:29401", "--rdzv-id", "many-hosts"]
     got = _train(stratagem_hosts, "torchrun", [(h0, run), (h1, run)], devices=2, nodes=2)
     _assert_trained_alike(got, one_host)
+
+
+#: The Trainer's timeout in the cut-off run: the survivors must notice within it, and be going on without the
+#: lost host within twice it.
+TIMEOUT = 15
+CUT_STEPS = 12
+
+
+def _wait_for_step(mark: Path, step: int, processes: list[Any], deadline: float) -> None:
+    while not (mark.is_file() and mark.read_text().strip() and int(mark.read_text()) >= step):
+        assert all(p.poll() is None for p in processes), "a launcher ended before the cut"
+        assert time.monotonic() < deadline, f"step {step} not reached"
+        time.sleep(0.1)
+
+
+def _wait_all(processes: list[Any], deadline: float) -> list[float]:
+    """When each process ended (wall clock); kills every one still running at the deadline."""
+    ended: dict[int, float] = {}
+    while len(ended) < len(processes) and time.monotonic() < deadline:
+        for i, p in enumerate(processes):
+            if i not in ended and p.poll() is not None:
+                ended[i] = time.time()
+        time.sleep(0.1)
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+    return [ended.get(i, float("inf")) for i in range(len(processes))]
+
+
+def test_a_host_cut_off_mid_run_is_left_out_and_the_other_finishes_alone(stratagem_hosts: Hosts) -> None:
+    """Two hosts of one worker each (--nnodes 1:2, c10d rendezvous on h0, sharded checkpoints every step); h1's
+    link goes down after step 3. h0 names the lost host within the timeout, its next rendezvous leaves h1 out
+    within twice the timeout, and it finishes alone from the newest complete checkpoint as a one-process run
+    resumed from that checkpoint does. h1's launcher, which can no longer reach the rendezvous, ends by itself."""
+    h0, h1 = stratagem_hosts
+    root = stratagem_hosts.shared / "cut"
+    root.mkdir()
+    mark, starts, out = root / "step", root / "starts", root / "out.pt"
+    run = [
+        sys.executable,
+        "-m",
+        "stratagem",
+        "run",
+        "--nnodes",
+        "1:2",
+        "--devices",
+        "1",
+        "--max-restarts",
+        "2",
+    ]
+    run += ["--rdzv-endpoint", "h0:29403", "--rdzv-conf", "last_call_timeout=5"]
+    script = [SCRIPT, "--strategy", "fsdp", "--devices", "1", "--steps", str(CUT_STEPS), "--ckpt-every", "1"]
+    script += [
+        "--format",
+        "sharded",
+        "--timeout",
+        str(TIMEOUT),
+        "--step-sleep",
+        "0.3",
+        "--root",
+        str(root / "run"),
+    ]
+    script += ["--out", str(out), "--mark", str(mark), "--starts", str(starts)]
+    logs = [root / "h0.log", root / "h1.log"]
+    processes = []
+    for host, log in zip((h0, h1), logs):
+        with open(log, "w") as file:
+            processes.append(host.popen([*run, *script], stdout=file, stderr=subprocess.STDOUT))
+    try:
+        _wait_for_step(mark, 3, processes, time.monotonic() + RUN_TIMEOUT)
+        cut = time.time()
+        h1.cut()
+        ended = _wait_all(processes, time.monotonic() + RUN_TIMEOUT)
+    finally:
+        h1.reconnect()
+    survivor, lost = (log.read_text() for log in logs)
+    assert processes[0].returncode == 0, survivor[-4000:]
+    # The cut-off host's launcher ends by itself, naming what it lost, once the others have dropped it.
+    assert processes[1].returncode == 1 and "cannot reach the rendezvous at h0:29403" in lost, lost[-3000:]
+    assert ended[1] - cut <= 2 * TIMEOUT, f"h1 ended {ended[1] - cut:.1f} s after the cut"
+    # The survivor names the lost host and restarts without it, at the smaller world size.
+    noticed = re.search(
+        r"rank 0 waited ([\d.]+) s \(timeout \d+ s\) for rank 1 \(on h1\), which did not arrive", survivor
+    )
+    assert noticed is not None, survivor[-3000:]
+    # The watchdog looks once a second: it speaks within a second of the timeout (two on a busy machine).
+    assert float(noticed.group(1)) <= TIMEOUT + 2
+    assert (
+        "restarting the workers (1 of 2 restarts)" in survivor
+        and "world size changed from 2 to 1" in survivor
+    )
+    restarted = [
+        float(t) for t, host in (line.split() for line in starts.read_text().splitlines()) if float(t) > cut
+    ]
+    assert restarted and min(restarted) - cut <= 2 * TIMEOUT, (
+        f"new workers {min(restarted) - cut:.1f} s after the cut"
+    )
+    print(
+        f"after the cut: h1's launcher ended at {ended[1] - cut:.1f} s, h0's new workers started at "
+        f"{min(restarted) - cut:.1f} s, h0 finished at {ended[0] - cut:.1f} s"
+    )
+    got = torch.load(out, weights_only=False)
+    assert got["world_size"] == 1 and got["step"] == CUT_STEPS
+    # The same run resumed the same way: one process from the checkpoint the survivor resumed from.
+    checkpoint = re.search(r"Resumed from (\S+) at step (\d+)", survivor)
+    assert checkpoint is not None and int(checkpoint.group(2)) >= 2, survivor[-3000:]
+    reference = root / "reference.pt"
+    again = [sys.executable, SCRIPT, "--strategy", "fsdp", "--devices", "1", "--steps", str(CUT_STEPS)]
+    again += ["--ckpt-path", checkpoint.group(1), "--root", str(root / "reference"), "--out", str(reference)]
+    done = h0.run(again, timeout=RUN_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    want = torch.load(reference, weights_only=False)
+    _assert_trained_alike(got, want, tolerance=1e-5, world_size=1, steps=CUT_STEPS)
