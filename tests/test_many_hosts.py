@@ -148,10 +148,7 @@ def test_a_host_cut_off_mid_run_is_left_out_and_the_other_finishes_alone(stratag
     ]
     script += ["--out", str(out), "--mark", str(mark), "--starts", str(starts)]
     logs = [root / "h0.log", root / "h1.log"]
-    processes = []
-    for host, log in zip((h0, h1), logs):
-        with open(log, "w") as file:
-            processes.append(host.popen([*run, *script], stdout=file, stderr=subprocess.STDOUT))
+    processes = _launch([h0, h1], run, script, logs)
     try:
         _wait_for_step(mark, 3, processes, time.monotonic() + RUN_TIMEOUT)
         cut = time.time()
@@ -197,3 +194,83 @@ def test_a_host_cut_off_mid_run_is_left_out_and_the_other_finishes_alone(stratag
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     want = torch.load(reference, weights_only=False)
     _assert_trained_alike(got, want, tolerance=1e-5, world_size=1, steps=CUT_STEPS)
+
+
+def _launch(hosts: list[Host], run: list[str], script: list[str], logs: list[Path]) -> list[subprocess.Popen]:
+    processes = []
+    for host, log in zip(hosts, logs):
+        with open(log, "w") as file:
+            processes.append(host.popen([*run, *script], stdout=file, stderr=subprocess.STDOUT))
+    return processes
+
+
+def test_without_elasticity_a_host_cut_off_ends_the_run_naming_it(stratagem_hosts: Hosts) -> None:
+    """A fixed two-node run without restarts: h1's link goes down after step 2; h0's launcher ends the run within
+    twice the timeout, naming rank 1 and its host, and h1's launcher ends by itself."""
+    h0, h1 = stratagem_hosts
+    root = stratagem_hosts.shared / "fixed"
+    root.mkdir()
+    mark, logs = root / "step", [root / "h0.log", root / "h1.log"]
+    run = [sys.executable, "-m", "stratagem", "run", "--nnodes", "2", "--devices", "1"]
+    run += ["--rdzv-endpoint", "h0:29404"]
+    script = [SCRIPT, "--devices", "1", "--num-nodes", "2", "--steps", "40", "--timeout", str(TIMEOUT)]
+    script += [
+        "--step-sleep",
+        "0.3",
+        "--root",
+        str(root / "run"),
+        "--out",
+        str(root / "out.pt"),
+        "--mark",
+        str(mark),
+    ]
+    processes = _launch([h0, h1], run, script, logs)
+    try:
+        _wait_for_step(mark, 2, processes, time.monotonic() + RUN_TIMEOUT)
+        cut = time.time()
+        h1.cut()
+        ended = _wait_all(processes, time.monotonic() + RUN_TIMEOUT)
+    finally:
+        h1.reconnect()
+    survivor, lost = (log.read_text() for log in logs)
+    print(f"after the cut: h0's launcher ended at {ended[0] - cut:.1f} s, h1's at {ended[1] - cut:.1f} s")
+    assert processes[0].returncode not in (0, None) and "for rank 1 (on h1), which did not arrive" in survivor
+    assert ended[0] - cut <= 2 * TIMEOUT, survivor[-3000:]
+    assert processes[1].returncode == 1 and "cannot reach the rendezvous at h0:29404" in lost, lost[-3000:]
+    assert ended[1] - cut <= 2 * TIMEOUT
+    assert not (root / "out.pt").exists()
+
+
+def test_a_host_that_joins_late_is_taken_in(stratagem_hosts: Hosts) -> None:
+    """--nnodes 1:2: h0 starts alone and trains; h1 starts later, joins the next round of the rendezvous, and both
+    finish at world size 2 (a node new to a later round found no store address there before stratagem wrote it
+    in every round: DistStoreError after 60 s)."""
+    h0, h1 = stratagem_hosts
+    root = stratagem_hosts.shared / "late"
+    root.mkdir()
+    mark, logs = root / "step", [root / "h0.log", root / "h1.log"]
+    run = [
+        sys.executable,
+        "-m",
+        "stratagem",
+        "run",
+        "--nnodes",
+        "1:2",
+        "--devices",
+        "1",
+        "--max-restarts",
+        "1",
+    ]
+    run += ["--rdzv-endpoint", "h0:29405", "--rdzv-conf", "last_call_timeout=1"]
+    script = [SCRIPT, "--strategy", "fsdp", "--devices", "1", "--steps", "30", "--ckpt-every", "1"]
+    script += ["--format", "sharded", "--step-sleep", "0.3", "--root", str(root / "run"), "--mark", str(mark)]
+    script += ["--out", str(root / "out.pt")]
+    first = _launch([h0], run, script, logs[:1])
+    _wait_for_step(mark, 2, first, time.monotonic() + RUN_TIMEOUT)
+    processes = first + _launch([h1], run, script, logs[1:])
+    _wait_all(processes, time.monotonic() + RUN_TIMEOUT)
+    texts = [log.read_text() for log in logs]
+    assert [p.returncode for p in processes] == [0, 0], "\n".join(t[-3000:] for t in texts)
+    assert "world size changed from 1 to 2" in texts[0], texts[0][-3000:]
+    got = torch.load(root / "out.pt", weights_only=False)
+    assert got["world_size"] == 2 and got["step"] == 30

@@ -57,13 +57,13 @@ def why_unavailable() -> str | None:
         return f"hosts are Linux network namespaces; this is {sys.platform}"
     if os.geteuid() != 0:
         return "making network namespaces needs root: run the tests as root (CI does)"
-    missing = [
-        tool
-        for tool in TOOLS
-        if shutil.which(tool, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin") is None
-    ]
+    # Found on PATH, as the hosts run them.
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     if missing:
-        return f"{', '.join(missing)} not found: as root, apt-get install iproute2 util-linux mount hostname"
+        return (
+            f"{', '.join(missing)} not found on PATH: as root, apt-get install iproute2 util-linux mount hostname "
+            "(and /usr/sbin on PATH)"
+        )
     return None
 
 
