@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.errors import PREEMPTED_EXIT_CODE
-from stratagem.launchers import _preemption
+from stratagem.launchers import _preemption, _reachability, _rounds
 from stratagem.launchers._failures import describe_failure
 from stratagem.launchers._restarts import RESTART_COUNT_ENV, RESTART_LOG_ENV
 
@@ -162,6 +162,8 @@ def _agent_class() -> type:
             attempt = spec.max_restarts - self._remaining_restarts
             root = describe_failure(result.failures) if result.failures else None
             why = "" if root is None else root.detail.strip().splitlines()[-1] if root.detail.strip() else ""
+            if root is not None and why.startswith(f"rank {root.rank} "):
+                why = why[len(f"rank {root.rank} ") :].rstrip(".")  # the watchdog's message names its rank
             entry = {
                 "attempt": attempt,
                 "time": time.time(),
@@ -238,7 +240,7 @@ def run_agent(
         local_world_size=nproc_per_node,
         entrypoint=entrypoint,
         args=tuple(args),
-        rdzv_handler=get_rendezvous_handler(parameters),
+        rdzv_handler=_rounds.publish_each_round(get_rendezvous_handler(parameters)),
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         master_addr=master_addr,
@@ -259,8 +261,12 @@ def run_agent(
         preemption_signals=signals,
         grace_s=grace_s,
     )
+    # With several nodes, one cut off from the rendezvous ends rather than hangs in a store call.
+    guard = _reachability.guard(
+        max_nodes, parameters, lambda: _running_pids(agent._pcontext) if agent._pcontext else set(), scratch
+    )
     try:
-        with _signal_handlers_kept(signals), _agent_handles(signals):
+        with _signal_handlers_kept(signals), _agent_handles(signals), guard:
             result = agent.run()
         if result.is_failed() and agent.workers_preempted:
             raise _preemption.report(None, None, _preemption.read_notes(scratch), grace_s)
