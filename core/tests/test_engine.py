@@ -48,7 +48,7 @@ def test_a_strategy_name_takes_options_in_brackets(monkeypatch) -> None:
     monkeypatch.setenv(STRATEGY_ENV, "ddp_find_unused_parameters_true[static_graph=true]")
     config = sg.Engine(accelerator="cpu", devices=2).strategy.config
     assert config.static_graph is True and config.find_unused_parameters is True  # the name's own, kept
-    with pytest.raises(UnknownStrategyError, match="Unknown strategy 'ddq'. Did you mean 'ddp'"):
+    with pytest.raises(UnknownStrategyError, match=r"Unknown strategy 'ddq'\. Did you mean 'ddp'"):
         sg.Engine(strategy="ddq[static_graph=true]", accelerator="cpu", devices=2)
     with pytest.raises(ConfigurationError, match=r"cannot read 'ddp\[static_graph=true'"):
         sg.Engine(strategy="ddp[static_graph=true", accelerator="cpu", devices=2)
