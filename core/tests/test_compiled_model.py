@@ -19,6 +19,14 @@ from stratagem.strategies.compiling import CompileOptions, dynamo_counts, unwrap
 NOTE = "stratagem: the model came compiled by torch.compile"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    """Dynamo keeps compiled code per code object, across tests: none is left for a later test that counts the
+    frames it compiles (test_compile.py's)."""
+    yield
+    torch._dynamo.reset()
+
+
 class Steps(m.StepModule):
     """The contract model with every step an entry point calls."""
 
