@@ -107,6 +107,11 @@ def test_run_refuses_bad_input_before_launching(tmp_path: Path) -> None:
     unknown = _stratagem("run", "--strategy", "dpp", "--devices", "2", str(script))
     assert unknown.returncode == 2 and "Unknown strategy 'dpp'" in unknown.stderr
     assert "should not run" not in unknown.stderr
+    # A name with options (the workers' Engine reads them): the name is checked here, and the brackets.
+    unknown = _stratagem("run", "--strategy", "dpp[static_graph=true]", "--devices", "2", str(script))
+    assert unknown.returncode == 2 and "Unknown strategy 'dpp'" in unknown.stderr
+    unread = _stratagem("run", "--strategy", "ddp[static_graph=true", "--devices", "2", str(script))
+    assert unread.returncode == 2 and "--strategy: cannot read 'ddp[static_graph=true'" in unread.stderr
     missing = _stratagem("run", "--devices", "2", str(tmp_path / "absent.py"))
     assert missing.returncode == 2 and "no such script" in missing.stderr
     nodes = _stratagem("run", "--nnodes", "2", str(script))

@@ -181,6 +181,12 @@ def reference_loop(
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def _local_shards(state: dict[str, Any]) -> dict[str, Any]:
+    by_param = state["state"].items()
+    local = {k: {n: v.to_local() if hasattr(v, "to_local") else v for n, v in s.items()} for k, s in by_param}
+    return {**state, "state": local}
+
+
 def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
     """What the tests compare, gathered to plain tensors."""
     assert trainer.model is not None
@@ -191,7 +197,9 @@ def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in module.state_dict().items()
         },
-        "optimizer": optimizer.state_dict(),
+        # FSDP's optimizer state (DTensors) as each rank's own shards: a DTensor in the file would unpickle its
+        # DeviceMesh where the file is read, in a process without the run's process groups, and torch warns then.
+        "optimizer": _local_shards(optimizer.state_dict()),
         "losses": list(module.losses),
         "step": trainer.global_step,
         "epoch": trainer.current_epoch,

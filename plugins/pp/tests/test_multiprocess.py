@@ -121,6 +121,14 @@ def test_compiled_stages_match_one_eager_process(run2: dict, ref: dict) -> None:
         assert seen["by_stage"] == {first: blocks[first], second: blocks[second]}
         assert seen["regions"] == blocks[first] + blocks[second]
         assert seen["frames"] >= 1
+        # Given as torch.compile(module, backend="aot_eager"): the Trainer holds the module, compiled with that
+        # backend in the pipeline's place, and rank 0 said so in one line.
+        assert seen["holds"] == "LM"
+        notes = [line for line in seen["printed"] if "came compiled by torch.compile" in line]
+        if rank == 0:
+            assert len(notes) == 1 and notes[0].endswith("(backend=aot_eager)."), seen["printed"]
+        else:
+            assert notes == [], seen["printed"]
     # Parameter names stay the plain model's (no _orig_mod, no checkpoint wrapper in them).
     assert sorted(result["params"]) == sorted(ref["params"])
 

@@ -119,6 +119,17 @@ def test_demo_under_fsdp_tp_on_four_processes_splits_its_model(run4: dict, workd
     assert report["losses"][-1] < report["losses"][0] - 0.3
 
 
+def test_demo_takes_a_strategy_name_with_options(run4: dict) -> None:
+    """`stratagem demo --strategy "fsdp_tp[tp_size=2]" --devices 4`: the options reach the strategy, which
+    makes a 2 x 2 mesh; FSDP over dp and the plan over tp leave each rank about a quarter."""
+    report = _ok(run4, "demo_2x2")
+    assert report["mesh"] == {"shape": (2, 2), "names": ("dp", "tp")}
+    for rank in report["ranks"]:
+        for part in ("parameters", "gradients", "optimizer"):
+            assert 0.24 <= rank[part] / report["replica"][part] < 0.26, (part, rank)
+    assert report["losses"][-1] < report["losses"][0] - 0.3
+
+
 def test_fsdp_tp_units_and_activation_checkpointing(run4: dict) -> None:
     result = _ok(run4, "meta_options")
     assert result["units"] == ["<root>", "blocks.0", "blocks.1"]

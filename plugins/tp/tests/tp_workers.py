@@ -339,6 +339,18 @@ def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
             strategy="fsdp_tp", devices=4, steps=DEMO_STEPS, root_dir=workdir + "/demo", progress_bar=False
         ),
     )
+    # `stratagem demo --strategy "fsdp_tp[tp_size=2]" --devices 4`: the name with options, a 2 x 2 mesh.
+    _guard(
+        out,
+        "demo_2x2",
+        lambda: demo(
+            strategy="fsdp_tp[tp_size=2]",
+            devices=4,
+            steps=DEMO_STEPS,
+            root_dir=workdir + "/demo-2x2",
+            progress_bar=False,
+        ),
+    )
     out["bad_size"] = error_of(
         lambda: sg.Engine(
             strategy=FSDPTPStrategy(plan=PLAN, tensor_parallel_size=3), accelerator="cpu", devices=4

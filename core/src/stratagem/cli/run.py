@@ -17,7 +17,10 @@ def _add_parsers(sub: argparse._SubParsersAction) -> None:
         "nodes, run the same command on each with its --node-rank and the same --rdzv-endpoint.",
     )
     p.add_argument(
-        "--strategy", default=None, help="strategy for Engine/Trainer(strategy='auto') in the script"
+        "--strategy",
+        default=None,
+        help="strategy for Engine/Trainer(strategy='auto') in the script: a name, with options in brackets if "
+        "any (fsdp_tp[tensor_parallel_size=2])",
     )
     p.add_argument("--devices", type=int, default=1, help="workers per node (default 1)")
     p.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
@@ -116,9 +119,12 @@ def _run(args: argparse.Namespace) -> int:
 
         env[COMPILE_ENV] = compile
     if args.strategy:
+        from stratagem.registry._labels import parse_label
         from stratagem.registry._manager import get_registry
 
-        get_registry().get(args.strategy)  # an unknown name fails here, naming the installed ones
+        # An unknown name fails here, naming the installed ones; the workers' strategy checks the options.
+        name = parse_label(args.strategy, "--strategy")[0] if "[" in args.strategy else args.strategy
+        get_registry().get(name)
         env[STRATEGY_ENV] = args.strategy
     from stratagem.engine import DEFAULT_LAUNCHER, LAUNCHER_ENV
     from stratagem.launchers import LaunchJob

@@ -20,6 +20,7 @@ from stratagem.engine.seed import seed_everything
 from stratagem.errors import ConfigurationError
 from stratagem.launchers import _spawn as agent
 from stratagem.launchers import cluster as cluster_mod
+from stratagem.registry._labels import parse_label
 from stratagem.registry._manager import StrategyHooks, get_registry, installed_plugins
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.precision import normalize
@@ -28,7 +29,8 @@ from stratagem.strategies.precision import normalize
 class Engine(Launching, Checkpoints, Compiling, Steps):
     """Run a training loop under a strategy chosen by name.
 
-    :param strategy: a registered name (``"ddp"``, ``"fsdp"``, ...), ``"auto"``, or a ``Strategy`` instance.
+    :param strategy: a registered name (``"ddp"``, ``"fsdp"``, ...), the same with options
+        (``"fsdp_tp[tensor_parallel_size=2]"``, ``"fsdp[SHARD_GRAD_OP]"``), ``"auto"``, or a ``Strategy`` instance.
     :param accelerator: ``"auto"``, ``"cpu"`` or ``"cuda"``.
     :param devices: processes per node.
     :param num_nodes: nodes.
@@ -89,6 +91,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         if self._source == "slurm":
             agent.set_task_threads(self.accelerator)
         self._addons = tuple(addons)
+        self._strategy_options: dict[str, Any] = {}  # a name's options, "fsdp_tp[tensor_parallel_size=2]"
         self._strategy_info, self._strategy = self._resolve_strategy(strategy)
         self._launcher_choice = launcher
         if self.needs_launch:
@@ -134,7 +137,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
     @property
     def strategy(self) -> Strategy:
         if self._strategy is None:
-            self._strategy = self._strategy_info.create()
+            self._strategy = self._strategy_info.create(**self._strategy_options)
         return self._strategy
 
     @property
@@ -162,6 +165,8 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         name = strategy
         if name == "auto":
             name = os.environ.get(STRATEGY_ENV) or self._auto_name(registry)
+        if "[" in name:
+            name, self._strategy_options = parse_label(name, f"strategy={name!r}")
         return self._check(name), None
 
     def _auto_name(self, registry: Any) -> str:

@@ -95,7 +95,7 @@ class EvaluationRuns:
         self, method: str, step: str, model: Module | None, dataloaders: Any, ckpt_path: Any
     ) -> Any:
         """Checks (before anything launches), the launch, the model set up, its weights from ``ckpt_path``."""
-        model = model if model is not None else self.module
+        model = self._plain_module(model) if model is not None else self.module
         if model is None:
             raise ConfigurationError(f"{method}() needs a model: trainer.{method}(model, dataloaders).")
         if dataloaders is None:
@@ -208,6 +208,7 @@ class EvaluationRuns:
         checkpoint_dir: Any
 
         def _launch(self) -> None: ...
+        def _plain_module(self, model: Any) -> Any: ...
         def _setup(self, model: Module, *, with_optimizers: bool) -> None: ...
         def _prepare_loader(self, loader: Any) -> Any: ...
         def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None: ...

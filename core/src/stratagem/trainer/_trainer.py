@@ -22,6 +22,7 @@ from stratagem.trainer import _events as _callbacks
 from stratagem.trainer import _fit_checks
 from stratagem.trainer._batch_rule import loader_batch_size
 from stratagem.trainer._checkpoints import CheckpointingMixin
+from stratagem.trainer._compiled import CompiledModels
 from stratagem.trainer._evaluation import Evaluation
 from stratagem.trainer._evaluation_runs import EvaluationRuns
 from stratagem.trainer._loop import TrainingLoop
@@ -38,7 +39,7 @@ from stratagem.trainer.module import Module
 __all__ = ["Trainer", "TrainerOptions"]
 
 
-class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
+class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, CompiledModels):
     """Fit a :class:`~stratagem.Module` under a strategy chosen by name.
 
     :param strategy: a registered name, ``"auto"`` or a ``Strategy`` instance (see :class:`~stratagem.Engine`).
@@ -92,7 +93,8 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
     :param compile: ``True`` or a dict of ``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``regional``:
         ``torch.compile`` the model in the framework's place (after tensor parallelism and activation
         checkpointing, before data-parallel wrapping; each repeated block once by default). Checked here, before
-        anything launches. See :meth:`stratagem.Engine.setup`.
+        anything launches. See :meth:`stratagem.Engine.setup`. A ``torch.compile``'d model is unwrapped and compiled
+        so, with the options torch.compile was given unless ``compile=`` is set (``False``: not compiled).
     """
 
     def __init__(
@@ -170,7 +172,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         )
         # Checked before anything launches; the workers get the checked options (False: none, whatever the
         # environment says).
-        self._compile = self.engine.resolve_compile(compile) or False
+        self._compile, self._compile_off = self.engine.resolve_compile(compile) or False, compile is False
         launcher_restarts = _restarts.max_restarts()
         if launcher_restarts and not max_restarts:
             # Restarts asked of the launcher (`stratagem run --max-restarts`, `torchrun --max-restarts`).
@@ -270,6 +272,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         def strategy_optimizer() -> bool:
             return _fit_checks.provides_optimizer(self.engine.strategy)
 
+        model = self._plain_module(model)
         _fit_checks.check_model(model, for_fit=True, strategy_optimizer=strategy_optimizer)
         _fit_checks.check_step(model, self._strategy_if_made())
         _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
@@ -361,8 +364,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
 
     def _call(self, method: str, *args: Any) -> Any:
         # Always through the wrapped model's __call__, also when the strategy wrapped in place (FSDP2, tensor
-        # parallel): their forward hooks gather the root's parameters, and calling the step on the module
-        # directly would skip them.
+        # parallel): their forward hooks gather the root's parameters, which calling the step directly skips.
         model, module = self.model, self.module
         assert model is not None and module is not None
         with redirected_forward(module, method):
@@ -372,7 +374,6 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
 # -------------------------------------------------------------------------------------------------
 # helpers
 # -------------------------------------------------------------------------------------------------
-
 
 _TEARDOWN_REGISTERED: set[int] = set()
 
