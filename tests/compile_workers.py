@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import stratagem as sg
-from stratagem.contract import _model as m
+from stratagem.contract import _suite_model as m
 
 STEPS = 10
 SAVE_AT = 5

@@ -3,7 +3,7 @@ under plugins/ and examples/, its sources and its own tests), and no package ``s
 kind), imports a private name of ``stratagem``.
 
 A name is private when a component of its dotted path below ``stratagem`` starts with ``_`` (dunders aside):
-``stratagem.launchers._spawn``, ``from stratagem.strategies import _regions``, ``stratagem._x``. Found
+``stratagem.launchers._worker_start``, ``from stratagem.strategies import _regions``, ``stratagem._x``. Found
 statically, wherever they are: imports at run time and under ``if TYPE_CHECKING:``, ``import_module`` strings
 and ``"module:Class"`` factory strings, attributes reached through an imported module
 (``sg.registry._manager``), and the code in strings that tests hand to ``python -c``. A failure names the file,
@@ -209,8 +209,8 @@ def test_a_generated_plugin_imports_only_public_names(
 #: Ways to reach a private name, each as a line added to a copy of a real plugin (stratagem-ray's launcher).
 MUTATIONS = {
     "from-import at run time": (
-        "def _f():\n    from stratagem.launchers._spawn import free_port\n",
-        "stratagem.launchers._spawn.free_port",
+        "def _f():\n    from stratagem.launchers._worker_start import free_port\n",
+        "stratagem.launchers._worker_start.free_port",
     ),
     "import under TYPE_CHECKING": (
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import stratagem.registry._manager\n",
@@ -221,16 +221,16 @@ MUTATIONS = {
         "stratagem.strategies._regions",
     ),
     "a private attribute of stratagem": (
-        "from stratagem import _MovedModuleFinder\n",
-        "stratagem._MovedModuleFinder",
+        "from stratagem import _LAZY\n",
+        "stratagem._LAZY",
     ),
     "import_module of a string": (
-        "import importlib\n_m = importlib.import_module('stratagem.launchers._agent')\n",
-        "stratagem.launchers._agent",
+        "import importlib\n_m = importlib.import_module('stratagem.launchers._elastic_agent')\n",
+        "stratagem.launchers._elastic_agent",
     ),
     "an attribute of an imported module": (
-        "import stratagem.launchers as launchers\n_g = launchers._failures.LOST_PEER_GRACE_S\n",
-        "stratagem.launchers._failures",
+        "import stratagem.launchers as launchers\n_g = launchers._failure_records.LOST_PEER_GRACE_S\n",
+        "stratagem.launchers._failure_records",
     ),
     "code run by python -c": (
         "_CODE = 'import json; from stratagem.registry._manager import get_registry; print(1)'\n",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from stratagem.contract import _model as m
+from stratagem.contract import _suite_model as m
 from stratagem.strategies import _regions
 from stratagem.strategies.compiling import CompileOptions, dynamo_counts, unwrap_compiled
 

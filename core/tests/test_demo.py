@@ -148,7 +148,7 @@ def _in_range(kind: str, share: float) -> bool:
 
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from stratagem.launchers._spawn import launch_function
+    from stratagem.launchers._worker_start import launch_function
 
     if not OFFERED:
         pytest.skip("no strategy of the repository's plugin packages is installed")

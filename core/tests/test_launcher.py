@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import stratagem as sg
-from stratagem.launchers import _spawn as launcher
+from stratagem.launchers import _worker_start
 
 WORKLOADS = Path(__file__).parent / "workloads"
 sys.path.insert(0, str(WORKLOADS))
@@ -120,11 +120,11 @@ def test_run_refuses_bad_input_before_launching(tmp_path: Path) -> None:
 
 def test_worker_environment_shares_the_cores_and_keeps_user_settings(monkeypatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    env = launcher.worker_environment("cpu", {"X": "1"}, nproc_per_node=2)
-    assert env[launcher.WORKER_ENV] == "1" and env["X"] == "1"
+    env = _worker_start.worker_environment("cpu", {"X": "1"}, nproc_per_node=2)
+    assert env[_worker_start.WORKER_ENV] == "1" and env["X"] == "1"
     assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert "OMP_NUM_THREADS" not in launcher.worker_environment("cpu", None, nproc_per_node=2)
+    assert "OMP_NUM_THREADS" not in _worker_start.worker_environment("cpu", None, nproc_per_node=2)
 
 
 def test_a_task_that_srun_started_gets_the_threads_of_an_elastic_worker() -> None:

@@ -17,15 +17,15 @@ from stratagem.registry._lazy import lazy_getattr
 if TYPE_CHECKING:
     from stratagem.callbacks._early_stopping import EarlyStopping
     from stratagem.callbacks._model_checkpoint import ModelCheckpoint
-    from stratagem.callbacks._monitors import LearningRateMonitor, Throughput
+    from stratagem.callbacks._run_metrics import LearningRateMonitor, Throughput
 
 __all__ = ["EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "Throughput"]
 
 _LAZY = {
     "EarlyStopping": "stratagem.callbacks._early_stopping",
     "ModelCheckpoint": "stratagem.callbacks._model_checkpoint",
-    "LearningRateMonitor": "stratagem.callbacks._monitors",
-    "Throughput": "stratagem.callbacks._monitors",
+    "LearningRateMonitor": "stratagem.callbacks._run_metrics",
+    "Throughput": "stratagem.callbacks._run_metrics",
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stratagem.checkpoint._layout import FORMAT_VERSION, METADATA_FILE, PerRank
+from stratagem.checkpoint._state_layout import FORMAT_VERSION, METADATA_FILE, PerRank
 from stratagem.registry._lazy import lazy_getattr
 
 if TYPE_CHECKING:

@@ -98,12 +98,12 @@ def _check_positive(name: str, value: int) -> None:
 def _run(args: argparse.Namespace) -> int:
     from stratagem.engine import STRATEGY_ENV
     from stratagem.errors import ConfigurationError
-    from stratagem.launchers import _spawn as launcher
+    from stratagem.launchers import _worker_start
     from stratagem.launchers.cluster import resolve_accelerator
 
     _check_positive("--devices", args.devices)
-    _, max_nodes = launcher.parse_nnodes(args.nnodes)
-    launcher.check_max_restarts(args.max_restarts)
+    _, max_nodes = _worker_start.parse_nnodes(args.nnodes)
+    _worker_start.check_max_restarts(args.max_restarts)
     if args.script == "-m":
         if not args.args:
             raise ConfigurationError("stratagem run -m needs a module name.")
@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace) -> int:
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_configs=_rdzv_conf(args.rdzv_conf),
         accelerator=accelerator,
-        env=launcher.worker_environment(accelerator, env, args.devices),
+        env=_worker_start.worker_environment(accelerator, env, args.devices),
         max_restarts=args.max_restarts,
     )
     LauncherHooks(chosen).launch_workers(job)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from stratagem.contract import _model as m
+from stratagem.contract import _suite_model as m
 from stratagem.contract._training import (
     _clean_name,
     _clean_optimizer,

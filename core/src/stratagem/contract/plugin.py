@@ -5,7 +5,7 @@ It imports nothing heavy: a project's own pytest run pays only for this module. 
 ``stratagem.contract`` and run with ``pytest --pyargs stratagem.contract --stratagem-strategy NAME`` (a
 strategy), ``--stratagem-launcher NAME`` (a launcher: ``stratagem.contract.test_launcher``), or
 ``--stratagem-callback NAME`` / ``--stratagem-logger NAME`` (``stratagem.contract.test_callback``).
-``--stratagem-report FILE`` writes the run's certificate (:mod:`stratagem.contract._report`).
+``--stratagem-report FILE`` writes the run's certificate (:mod:`stratagem.contract._certificate_writer`).
 
 Its fixtures ``make_hosts`` and ``stratagem_hosts`` make several hosts on this machine
 (:mod:`stratagem.contract.hosts`) for any project's tests of what runs across machines.
@@ -86,7 +86,7 @@ def pytest_configure(config: Any) -> None:
     }
     report = config.getoption(REPORT_OPTION, None)
     if report:
-        from stratagem.contract._report import ReportWriter
+        from stratagem.contract._certificate_writer import ReportWriter
 
         config.pluginmanager.register(ReportWriter(report), "stratagem-contract-report")
 

@@ -10,15 +10,15 @@ from typing import Any, ContextManager
 
 import torch
 
-from stratagem.engine._checkpoints import Checkpoints
-from stratagem.engine._compiling import Compiling
+from stratagem.engine._checkpoint_io import Checkpoints
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
 from stratagem.engine._launching import Launching
-from stratagem.engine._optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer
-from stratagem.engine._steps import Steps
+from stratagem.engine._model_setup import Compiling
+from stratagem.engine._strategy_optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer
+from stratagem.engine._training_steps import Steps
 from stratagem.engine.seed import seed_everything
 from stratagem.errors import ConfigurationError
-from stratagem.launchers import _spawn as agent
+from stratagem.launchers import _worker_start
 from stratagem.launchers import cluster as cluster_mod
 from stratagem.registry._labels import parse_label
 from stratagem.registry._manager import StrategyHooks, get_registry, installed_plugins
@@ -77,7 +77,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
             launcher=launcher,
             launcher_options=dict(launcher_options or {}),
         )
-        agent.check_max_restarts(max_restarts)
+        _worker_start.check_max_restarts(max_restarts)
         self.max_restarts = max_restarts
         self.accelerator = cluster_mod.resolve_accelerator(accelerator)
         self.precision = normalize(precision)
@@ -85,11 +85,11 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         self._source = cluster_mod.launched_externally()
         if self._source is not None:
             # Record an uncaught exception for the launcher from the start, not only once training begins.
-            agent.install_worker_excepthook()
+            _worker_start.install_worker_excepthook()
         self._check_devices()
         self.world_size_requested = self._expected_world_size()
         if self._source == "slurm":
-            agent.set_task_threads(self.accelerator)
+            _worker_start.set_task_threads(self.accelerator)
         self._addons = tuple(addons)
         self._strategy_options: dict[str, Any] = {}  # a name's options, "fsdp_tp[tensor_parallel_size=2]"
         self._strategy_info, self._strategy = self._resolve_strategy(strategy)
@@ -206,7 +206,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
                 "engine.launch(fn) (or engine.launch() to re-run this script), or start it with torchrun or "
                 "`stratagem run --devices N script.py`."
             )
-        agent.install_worker_excepthook()
+        _worker_start.install_worker_excepthook()
         env = cluster_mod.detect(
             accelerator=self.accelerator,
             devices=self.devices,

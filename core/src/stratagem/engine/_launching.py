@@ -9,8 +9,7 @@ from typing import Any
 
 from stratagem.engine._defaults import DEFAULT_LAUNCHER, LAUNCHER_ENV
 from stratagem.errors import ConfigurationError, WorkerFailedError
-from stratagem.launchers import _rerun
-from stratagem.launchers import _spawn as agent
+from stratagem.launchers import _rerun, _worker_start
 from stratagem.registry._manager import get_registry
 
 
@@ -37,7 +36,7 @@ class Launching:
         raise NotImplementedError
 
     def _resolve_launcher(self, launcher: Any, options: dict[str, Any]) -> Any:
-        from stratagem.launchers.base import Launcher
+        from stratagem.launchers.launcher import Launcher
 
         registry = get_registry()
         if isinstance(launcher, Launcher):
@@ -75,7 +74,7 @@ class Launching:
             nproc_per_node=self.devices,
             nnodes=self.num_nodes,
             accelerator=self.accelerator,
-            env=agent.worker_environment(self.accelerator, fields.pop("env", None), self.devices),
+            env=_worker_start.worker_environment(self.accelerator, fields.pop("env", None), self.devices),
             max_restarts=self.max_restarts,
             **fields,
         )
@@ -85,7 +84,7 @@ class Launching:
         supervises: the rest of the script ran in the workers). ``job``: more fields of the
         :class:`~stratagem.launchers.LaunchJob` (the Trainer's preemption settings)."""
         try:
-            self._run_job(self._job("script", command=agent.current_command(), **job))
+            self._run_job(self._job("script", command=_worker_start.current_command(), **job))
         except WorkerFailedError as error:
             raise SystemExit(f"stratagem: {error}") from None
         raise SystemExit(0)
@@ -141,7 +140,9 @@ class Launching:
                 )
             result = _rerun.run_script_for(
                 call,
-                lambda env: self._run_job(self._job("script", command=agent.current_command(), env=env)),
+                lambda env: self._run_job(
+                    self._job("script", command=_worker_start.current_command(), env=env)
+                ),
             )
         _rerun.record(result)
         return result

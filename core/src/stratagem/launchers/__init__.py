@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from stratagem.registry._lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    from stratagem.launchers._failures import (
+    from stratagem.launchers._failure_records import (
         ERROR_FILE_ENV,
         LOST_PEER_GRACE_S,
         WorkerExit,
@@ -34,9 +34,9 @@ if TYPE_CHECKING:
         record_exception,
     )
     from stratagem.launchers._job import LauncherCapabilities, LaunchJob
-    from stratagem.launchers._spawn import worker_threads
-    from stratagem.launchers.base import Launcher
+    from stratagem.launchers._worker_start import worker_threads
     from stratagem.launchers.elastic import ElasticLauncher
+    from stratagem.launchers.launcher import Launcher
 
 __all__ = [
     "ERROR_FILE_ENV",
@@ -55,15 +55,15 @@ __all__ = [
 _LAZY = {
     "LaunchJob": "stratagem.launchers._job",
     "LauncherCapabilities": "stratagem.registry.capabilities",
-    "Launcher": "stratagem.launchers.base",
+    "Launcher": "stratagem.launchers.launcher",
     "ElasticLauncher": "stratagem.launchers.elastic",
-    "ERROR_FILE_ENV": "stratagem.launchers._failures",
-    "LOST_PEER_GRACE_S": "stratagem.launchers._failures",
-    "WorkerExit": "stratagem.launchers._failures",
-    "describe_failure": "stratagem.launchers._failures",
-    "is_lost_peer": "stratagem.launchers._failures",
-    "record_exception": "stratagem.launchers._failures",
-    "worker_threads": "stratagem.launchers._spawn",
+    "ERROR_FILE_ENV": "stratagem.launchers._failure_records",
+    "LOST_PEER_GRACE_S": "stratagem.launchers._failure_records",
+    "WorkerExit": "stratagem.launchers._failure_records",
+    "describe_failure": "stratagem.launchers._failure_records",
+    "is_lost_peer": "stratagem.launchers._failure_records",
+    "record_exception": "stratagem.launchers._failure_records",
+    "worker_threads": "stratagem.launchers._worker_start",
 }
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from stratagem.launchers._failures import FAILURE_SUFFIX
+from stratagem.launchers._failure_records import FAILURE_SUFFIX
 
 #: The loop's phases, in the order they happen within one batch.
 PHASES = ("data", "training_step", "backward", "optimizer_step", "validation", "checkpoint", "logging")

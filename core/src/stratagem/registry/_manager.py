@@ -1,11 +1,11 @@
-"""The plugin manager: with :mod:`~stratagem.registry._events`, the only code that touches ``pm.hook``.
+"""The plugin manager: with :mod:`~stratagem.registry._event_hooks`, the only code that touches ``pm.hook``.
 
 Discovery loads the entry points of the group ``stratagem`` and asks each plugin to
 ``register_strategies(register)``. At run time a fresh manager holds the chosen strategy (the only plain
 implementation of each strategy operation) and the add-on plugins, whose implementations must be wrappers.
 Each Trainer has a manager of its own for its events, holding only the callbacks and loggers it was given
-(:mod:`stratagem.registry._events`). Callers use the typed methods of :class:`StrategyHooks`,
-:class:`LauncherHooks` and :class:`~stratagem.registry._events.TrainerEventHooks`, never ``pm.hook``.
+(:mod:`stratagem.registry._event_hooks`). Callers use the typed methods of :class:`StrategyHooks`,
+:class:`LauncherHooks` and :class:`~stratagem.registry._event_hooks.TrainerEventHooks`, never ``pm.hook``.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ PLUGINS_ENV = "STRATAGEM_PLUGINS"
 #: Entry-point names never to load (``*``: every plugin but the built-ins), to bypass a broken plugin without
 #: uninstalling it; the listings say which were disabled.
 DISABLE_ENV = "STRATAGEM_DISABLE_PLUGINS"
-BUILTIN_PLUGIN = "stratagem.strategies._builtin"
-BUILTIN_LAUNCHERS = "stratagem.launchers._builtin"
-BUILTIN_CALLBACKS = "stratagem.callbacks._builtin"
-BUILTIN_LOGGERS = "stratagem.loggers._builtin"
+BUILTIN_PLUGIN = "stratagem.strategies._builtin_strategies"
+BUILTIN_LAUNCHERS = "stratagem.launchers._builtin_launchers"
+BUILTIN_CALLBACKS = "stratagem.callbacks._builtin_callbacks"
+BUILTIN_LOGGERS = "stratagem.loggers._builtin_loggers"
 #: Discovery hooks (every implementation runs) and the launcher's operation: not strategy operations.
 DISCOVERY_HOOKS = frozenset(
     {

@@ -30,7 +30,7 @@ def _quiesce_at_exit() -> None:
     gives the threads a moment to let go. Then it freezes what is left (:func:`gc.freeze`): objects that are
     still alive are freed by the interpreter's teardown as their references go, but its collections no longer
     walk the whole of torch's object graph again and again, which took most of a second of each process's exit
-    (a preempted worker's among them; the launcher does the same, :func:`stratagem.launchers._agent.run_agent`).
+    (a preempted worker's among them; the launcher does the same, :func:`stratagem.launchers._elastic_agent.run_agent`).
     """
     global _quiesce_registered
     if _quiesce_registered:

@@ -14,23 +14,21 @@ import torch
 
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
 from stratagem.errors import ConfigurationError
-from stratagem.launchers import _restarts
-from stratagem.launchers import _spawn as launcher
+from stratagem.launchers import _restarts, _worker_start
 from stratagem.launchers._watchdog import collective_timeout
-from stratagem.registry._events import TrainerEventHooks
-from stratagem.trainer import _events as _callbacks
-from stratagem.trainer import _fit_checks
+from stratagem.registry._event_hooks import TrainerEventHooks
+from stratagem.trainer import _callbacks_and_loggers, _fit_checks
 from stratagem.trainer._batch_rule import loader_batch_size
-from stratagem.trainer._checkpoints import CheckpointingMixin
+from stratagem.trainer._checkpointing import CheckpointingMixin
 from stratagem.trainer._compiled import CompiledModels
+from stratagem.trainer._configured_optimizers import Scheduler
 from stratagem.trainer._evaluation import Evaluation
 from stratagem.trainer._evaluation_runs import EvaluationRuns
 from stratagem.trainer._loop import TrainingLoop
 from stratagem.trainer._metrics import MetricStore
 from stratagem.trainer._model_calls import redirected_forward
-from stratagem.trainer._optimizers import Scheduler
 from stratagem.trainer._options import TrainerOptions
-from stratagem.trainer._preemption import Preemption, PreemptionOptions
+from stratagem.trainer._preemption_stop import Preemption, PreemptionOptions
 from stratagem.trainer._progress import ProgressBar
 from stratagem.trainer._recovery import Recovery
 from stratagem.trainer._resume import Position
@@ -206,9 +204,9 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, Comp
         self._bar: ProgressBar | None = None
         self._last_saved_step: int | None = None
         # Names are resolved here, before anything launches: an unknown name or a missing extra fails now.
-        self.callbacks = _callbacks.resolve(callbacks, "callback")
-        self.loggers = _callbacks.resolve(loggers, "logger")
-        self._events = TrainerEventHooks(_callbacks.named(self.callbacks + self.loggers))
+        self.callbacks = _callbacks_and_loggers.resolve(callbacks, "callback")
+        self.loggers = _callbacks_and_loggers.resolve(loggers, "logger")
+        self._events = TrainerEventHooks(_callbacks_and_loggers.named(self.callbacks + self.loggers))
         #: Set it (on any rank) to end ``fit``: the ranks agree after each validation, at each logging step
         #: and at the end of each epoch, and stop at the same step.
         self.should_stop = False
@@ -387,10 +385,10 @@ def _register_teardown(engine: Engine) -> None:
     if id(engine) in _TEARDOWN_REGISTERED:
         return
     _TEARDOWN_REGISTERED.add(id(engine))
-    launcher.watch_uncaught()
+    _worker_start.watch_uncaught()
 
     def teardown() -> None:
-        if launcher.uncaught_exception():
+        if _worker_start.uncaught_exception():
             return
         # A peer that failed makes the barrier fail here too; the launcher reports that peer's error.
         with contextlib.suppress(Exception):

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 import stratagem as sg
 from stratagem.cli.compare import gradient_bytes, optimizer_bytes, parameter_bytes
 from stratagem.cli.demo.model import CharLM, CharWindows, load_text, replica_bytes
-from stratagem.engine._optimizer import _clean_name
+from stratagem.engine._strategy_optimizer import _clean_name
 from stratagem.strategies.precision import param_dtype
 
 __all__ = ["CharLM", "CharWindows", "load_text", "run"]

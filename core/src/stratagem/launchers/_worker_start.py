@@ -24,7 +24,7 @@ from typing import Any
 
 from stratagem.checkpoint import _scratch
 from stratagem.errors import ConfigurationError, WorkerFailedError
-from stratagem.launchers._failures import (
+from stratagem.launchers._failure_records import (
     ERROR_FILE_ENV,
     _note_failure_time,
     describe_failure,
@@ -181,21 +181,21 @@ def _run(
 ) -> dict[int, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from stratagem.launchers import _agent
+    from stratagem.launchers import _elastic_agent
 
     check_max_restarts(max_restarts)
     rendezvous = _rendezvous(nnodes, node_rank, rdzv_endpoint, run_id, rdzv_configs)
     # The agent's folder: removed when the run ends however it ends (after the failure records are read, below);
     # named so that the next launch removes it if this process is killed.
     with _scratch.folder("agent") as scratch:
-        restart_log = scratch / _agent.RESTART_LOG
+        restart_log = scratch / _elastic_agent.RESTART_LOG
         restart_log.touch()
         # The workers share the agent's store, which outlives a restart with the failed attempt's keys; the
         # strategies keep each attempt's keys apart (ClusterEnvironment.restart_count).
-        agent_env = {**env, _agent.RESTART_LOG_ENV: str(restart_log)}
+        agent_env = {**env, _elastic_agent.RESTART_LOG_ENV: str(restart_log)}
         with _environment(agent_env), _quiet_agent():
             try:
-                return _agent.run_agent(
+                return _elastic_agent.run_agent(
                     entrypoint=entrypoint,
                     args=list(args),
                     nproc_per_node=nproc_per_node,

@@ -30,10 +30,10 @@ if TYPE_CHECKING:
     import torch
 
     from stratagem.engine import Engine
-    from stratagem.registry._events import TrainerEventHooks
-    from stratagem.trainer._optimizers import Scheduler
+    from stratagem.registry._event_hooks import TrainerEventHooks
+    from stratagem.trainer._configured_optimizers import Scheduler
     from stratagem.trainer._options import TrainerOptions
-    from stratagem.trainer._preemption import Preemption
+    from stratagem.trainer._preemption_stop import Preemption
     from stratagem.trainer._recovery import Recovery
     from stratagem.trainer.module import Module
 
