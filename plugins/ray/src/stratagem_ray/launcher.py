@@ -25,8 +25,7 @@ from typing import Any
 
 from stratagem.errors import ConfigurationError, WorkerFailedError
 from stratagem.hookspecs import hookimpl
-from stratagem.launchers import LaunchJob
-from stratagem.launchers.launcher import Launcher
+from stratagem.launchers import Launcher, LaunchJob
 from stratagem_ray import _cluster
 from stratagem_ray._failures import _describe, _root_cause
 from stratagem_ray._worker import _Worker
