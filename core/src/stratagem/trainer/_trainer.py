@@ -314,7 +314,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, Comp
     def _strategy_if_made(self) -> Any:
         """The strategy, except in a process that only launches and was given its name: creating it there
         imports its plugin, which only delays the workers (they check again)."""
-        if self.engine.needs_launch and self.engine._strategy is None:
+        if self.engine.needs_launch and self.engine._runtime.created is None:
             return None
         return self.engine.strategy
 
