@@ -25,17 +25,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from stratagem.checkpoint import _store
 from stratagem.errors import PREEMPTED_EXIT_CODE, ConfigurationError, Preempted
 from stratagem.launchers import _preemption_signals, cluster
 from stratagem.trainer import _agreement
-from stratagem.trainer._run_dir import checkpoint_name
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from stratagem.engine import Engine
 
 #: How long ``scontrol`` may take to answer before the requeue is given up (the grace period is short).
@@ -158,14 +159,20 @@ class Preemption:
         return {"signal": self.stopping["signal"], "step": step, "received": self.stopping["received"]}
 
     # stopping ---------------------------------------------------------------------------------------------
-    def exit_if_stopped(self, trainer: Any) -> None:
-        """Once the ranks agreed and the step's checkpoint is written (and waited for): close the loggers, say
-        what happened, requeue a SLURM job, and raise :class:`Preempted` on every rank."""
+    def exit_if_stopped(
+        self,
+        step: int,
+        checkpoint_of: Callable[[int], Path | str],
+        notify: Callable[[BaseException], None],
+        say: Callable[[str], None],
+    ) -> None:
+        """Once the ranks agreed and the checkpoint of their ``step`` (at ``checkpoint_of(step)``) is written and
+        waited for: ``notify`` the callbacks and loggers (which close their runs), ``say`` what happened, requeue
+        a SLURM job, and raise :class:`Preempted` on every rank."""
         if self.stopping is None:
             return
-        step = trainer.position.step
         name = self.stopping["signal"]
-        path = str(_store.join(trainer.checkpoint_dir, checkpoint_name(step, trainer.checkpoint_format)))
+        path = str(checkpoint_of(step))
         grace = self.options.grace_s
         took = time.time() - self.stopping["received"]
         message = (
@@ -173,13 +180,13 @@ class Preemption:
             f"period {grace:g} s). Exit code {PREEMPTED_EXIT_CODE}: run it again (ckpt_path='last') to continue."
         )
         preempted = Preempted(message, signal=name, step=step, checkpoint=path)
-        trainer._on_exception(preempted)  # loggers close their runs, on every rank
+        notify(preempted)  # loggers close their runs, on every rank
         _preemption_signals.write_note(
             {**self.stopping, "step": step, "checkpoint": path, "rank": self.engine.rank}
         )
-        trainer.print(message)
+        say(message)
         if took > grace:
-            trainer.print(
+            say(
                 f"stratagem: that is more than the grace period of {grace:g} s: a scheduler would have killed the "
                 "run before its checkpoint was complete. Ask for a longer one (SLURM: --signal=USR1@SECONDS; "
                 "Kubernetes: terminationGracePeriodSeconds), or make steps and checkpoints shorter."
@@ -188,7 +195,7 @@ class Preemption:
             # Rank 0 has the checkpoint published (every rank's part written) and its loggers closed.
             said = requeue_slurm_job(self.options.slurm_requeue)
             if said:
-                trainer.print(said)
+                say(said)
         # Nobody exits before everyone is done here: a launcher stops the others once one has exited.
         self.engine.barrier("preempted")
         raise preempted
