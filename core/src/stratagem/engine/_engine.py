@@ -282,8 +282,13 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         with self._hooks.model_init_context(empty_init), self._hooks.model_sharded_context():
             yield
 
-    def setup(self, model: torch.nn.Module, *optimizers: Any, compile: Any = None) -> Any:
+    def setup(
+        self, model: torch.nn.Module, *optimizers: Any, compile: Any = None, init_weights: Any = None
+    ) -> Any:
         """Wrap the model and its optimizers; return ``model`` or ``(model, *optimizers)``.
+
+        ``init_weights``: Hugging Face weights to fill the model with once it is wrapped (see
+        :meth:`setup_module`).
 
         ``compile``: ``True``, or a dict of ``backend``, ``mode``, ``fullgraph``, ``dynamic`` and ``regional``
         (:class:`~stratagem.strategies.compiling.CompileOptions`), compiles the model with ``torch.compile``
@@ -292,7 +297,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         --compile``), if set. A model wrapped by ``torch.compile`` already is unwrapped and compiled there.
         """
         names = {id(p): _clean_name(n) for n, p in model.named_parameters()}
-        wrapped = self.setup_module(model, compile=compile)
+        wrapped = self.setup_module(model, compile=compile, init_weights=init_weights)
         if not optimizers:
             return wrapped
         for optimizer in optimizers:
@@ -308,10 +313,23 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
                 _rebind_optimizer(optimizer, names, wrapped)
         return (wrapped, *self.setup_optimizers(wrapped, *optimizers))
 
-    def setup_module(self, model: torch.nn.Module, compile: Any = None) -> torch.nn.Module:
-        """Wrap the model alone (``compile`` as in :meth:`setup`)."""
+    def setup_module(
+        self, model: torch.nn.Module, compile: Any = None, init_weights: Any = None
+    ) -> torch.nn.Module:
+        """Wrap the model alone (``compile`` as in :meth:`setup`).
+
+        ``init_weights``: the path or URL of Hugging Face safetensors (a model folder, a file, an index) or a
+        :class:`~stratagem.checkpoint.hf.HFWeights`. A model built on the meta device (``init_module(empty_init=
+        True)``) is then allocated without being initialised and filled from it, each rank reading only the
+        parts it holds; names, shapes and dtypes are checked before anything is allocated.
+        """
         self.setup_environment()
-        wrapped = self._wrap(model, compile)
+        if init_weights is not None:
+            from stratagem.engine._init_weights import wrap_and_load
+
+            wrapped = wrap_and_load(self, model, init_weights, lambda: self._wrap(model, compile))
+        else:
+            wrapped = self._wrap(model, compile)
         self._models.append(wrapped)
         return wrapped
 

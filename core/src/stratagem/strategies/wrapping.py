@@ -15,6 +15,9 @@ M = TypeVar("M")
 _wrapper: contextvars.ContextVar[Callable[[object], object] | None] = contextvars.ContextVar(
     "stratagem_wrapper", default=None
 )
+_allocate_only: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "stratagem_allocate_only", default=False
+)
 
 
 def wrap(module: M) -> M:
@@ -61,6 +64,24 @@ def wrapping_with(
         _wrapper.reset(token)
 
 
+@contextlib.contextmanager
+def allocating_only() -> Iterator[None]:
+    """Inside this block, a model built on the meta device is materialised without being initialised: its
+    weights are read from a checkpoint right after (``init_weights``), so drawing them first is wasted, and
+    modules without ``reset_parameters`` (a ``transformers`` RMSNorm) need none."""
+    token = _allocate_only.set(True)
+    try:
+        yield
+    finally:
+        _allocate_only.reset(token)
+
+
+def initializing() -> bool:
+    """Whether a strategy that materialises a meta model should initialise it (``reset_parameters``); false
+    inside :func:`allocating_only`, where it only allocates (``to_empty``)."""
+    return not _allocate_only.get()
+
+
 def has_meta_tensors(module: torch.nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
@@ -76,6 +97,8 @@ def materialize_meta(module: torch.nn.Module, device: torch.device | str) -> Non
     if not has_meta_tensors(module):
         return
     module.to_empty(device=device)
+    if not initializing():
+        return
     uninitialised = []
     with torch.no_grad():
         for name, sub in module.named_modules():

@@ -94,6 +94,9 @@ class CheckpointingMixin:
         if self.module.__dict__.get("_stratagem_hparams_saved"):
             # Module.save_hyperparameters(): what load_from_checkpoint builds the module from.
             state["hyperparameters"] = dict(self.module.hparams)
+        if "_stratagem_hf" in self.module.__dict__:
+            # Where init_weights came from and how names map: what `stratagem checkpoint export` reads.
+            state["hf"] = dict(self.module.__dict__["_stratagem_hf"])
         if "on_save_checkpoint" in self._events.implemented:
             state["callbacks"] = PerRank(self._events.collect_states(self, str(path)))
         preempted = self._preemption.record(self.position.step)

@@ -112,7 +112,8 @@ class EvaluationRuns:
         self._check_evaluation_ckpt(method, ckpt_path)
         if self.engine.needs_launch:
             self._launch()
-        self._setup(model, with_optimizers=False)
+        # Hugging Face weights (init_weights) only where no checkpoint is named to evaluate.
+        self._setup(model, with_optimizers=False, init_weights=None if ckpt_path else self._init_weights)
         path = self._evaluation_ckpt(method, ckpt_path)
         if path is not None:
             assert self.model is not None
@@ -206,9 +207,10 @@ class EvaluationRuns:
 
     if TYPE_CHECKING:  # the Trainer's and its other mixins'
         checkpoint_dir: Any
+        _init_weights: Any
 
         def _launch(self) -> None: ...
-        def _setup(self, model: Module, *, with_optimizers: bool) -> None: ...
+        def _setup(self, model: Module, *, with_optimizers: bool, init_weights: Any = None) -> None: ...
         def _prepare_loader(self, loader: Any) -> Any: ...
         def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None: ...
         def _run_validation(self, loader: Any, epoch: int | None = None) -> dict[str, float]: ...

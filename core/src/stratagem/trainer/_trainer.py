@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from stratagem.checkpoint import _hf_match as _hf
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
 from stratagem.errors import ConfigurationError
 from stratagem.launchers import _restarts
@@ -93,6 +94,11 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         ``torch.compile`` the model in the framework's place (after tensor parallelism and activation
         checkpointing, before data-parallel wrapping; each repeated block once by default). Checked here, before
         anything launches. See :meth:`stratagem.Engine.setup`.
+    :param init_weights: Hugging Face weights to start from: the path or URL of a model folder, a
+        ``.safetensors`` file or an index, or a :class:`~stratagem.checkpoint.hf.HFWeights` (adapter, strict).
+        ``configure_model`` then builds on the meta device and each rank reads only its parts of the weights;
+        a mismatch is refused before training. A checkpoint ``fit`` resumes from (``ckpt_path``) takes
+        precedence. See docs/hugging-face.md.
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         preemption_grace_s: float = 30.0,
         slurm_requeue: bool | None = None,
         compile: Any = None,
+        init_weights: Any = None,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -171,6 +178,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         # Checked before anything launches; the workers get the checked options (False: none, whatever the
         # environment says).
         self._compile = self.engine.resolve_compile(compile) or False
+        self._init_weights = None if init_weights is None else _hf.checked_request(init_weights)
         launcher_restarts = _restarts.max_restarts()
         if launcher_restarts and not max_restarts:
             # Restarts asked of the launcher (`stratagem run --max-restarts`, `torchrun --max-restarts`).
@@ -279,13 +287,18 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         if self.engine.needs_launch:
             _fit_checks.check_optimizers_before_launch(model, strategy_optimizer)
             self._launch()
-        self._setup(model, with_optimizers=True)
+        self.engine.setup_environment()
+        resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
+        if resume_from is not None and self._init_weights is not None:
+            self.print(
+                f"init_weights is not read: resuming from {resume_from}, whose weights take precedence."
+            )
+        self._setup(model, with_optimizers=True, init_weights=None if resume_from else self._init_weights)
         self._batch_size = loader_batch_size(train_dataloaders)
         if self._batch_size is not None:
             self.engine.check_batch_size(self._batch_size)
         train_loader = self._prepare_loader(train_dataloaders)
         val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
-        resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
             self._load_for_resume(resume_from, train_loader)
         report = self._recovery.resumed(self.position.step, self._preemption.resumed)
@@ -322,7 +335,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         self.engine.supervise(**self._preemption.job_fields())
 
     # set-up ----------------------------------------------------------------------------------------
-    def _setup(self, model: Module, *, with_optimizers: bool) -> None:
+    def _setup(self, model: Module, *, with_optimizers: bool, init_weights: Any = None) -> None:
         engine = self.engine
         if self.module is not None and model is not self.module:
             raise ConfigurationError("This Trainer already trains another model; make one Trainer per model.")
@@ -335,7 +348,8 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
             model.__dict__["_stratagem_trainer"] = self
             self.module = model
             if not model.__dict__.get("_stratagem_configured", False):
-                with engine.init_module(empty_init=False):
+                # With Hugging Face weights to load, on the meta device: each rank allocates its part only.
+                with engine.init_module(empty_init=init_weights is not None):
                     model.configure_model()
                 model.__dict__["_stratagem_configured"] = True
         elif self.options.seed is not None and with_optimizers:
@@ -343,14 +357,16 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         if with_optimizers and not self.optimizers:
             optimizers, self.lr_schedulers = _fit_checks.configured_optimizers(model, engine.strategy)
             if first and optimizers:
-                self.model, *self.optimizers = engine.setup(model, *optimizers, compile=self._compile)
+                self.model, *self.optimizers = engine.setup(
+                    model, *optimizers, compile=self._compile, init_weights=init_weights
+                )
             else:
                 if first:  # no optimizer of the module's: the strategy's configuration defines it
-                    self.model = engine.setup_module(model, compile=self._compile)
+                    self.model = engine.setup_module(model, compile=self._compile, init_weights=init_weights)
                 # Set up by validate() before: optimizers over the wrapped model's parameters.
                 self.optimizers = engine.setup_optimizers(self.model, *optimizers)
         elif first:
-            self.model = engine.setup_module(model, compile=self._compile)
+            self.model = engine.setup_module(model, compile=self._compile, init_weights=init_weights)
 
     def _prepare_loader(self, loader: Any) -> Any:
         return self.engine.setup_dataloaders(
