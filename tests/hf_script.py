@@ -21,6 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+# Imported before any model is built: under DeepSpeed's zero.Init (which patches tensor construction) the lazy
+# import of transformers' modeling code fails.
+from transformers import LlamaForCausalLM
+
 import stratagem as sg
 from stratagem.callbacks import HFExport
 
@@ -51,7 +55,6 @@ def tokens(seed: int = 1, n: int = 4) -> torch.Tensor:
 
 def llama_module(config: Any) -> Any:
     """Hugging Face's Llama as a stratagem Module (its names are the checkpoint's): logits out, a loss in."""
-    from transformers import LlamaForCausalLM
 
     class LlamaLM(LlamaForCausalLM, sg.Module):
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -69,6 +72,16 @@ def llama_module(config: Any) -> Any:
     return LlamaLM(config)
 
 
+def _strategy(name: str) -> Any:
+    """The strategy of ``name``; ``fsdp_tp`` as a 2 x 2 mesh (its default tensor-parallel size is the world's,
+    which the tiny Llama's two key-value heads do not divide at 4 processes)."""
+    if name == "fsdp_tp":
+        from stratagem_tp import FSDPTPStrategy
+
+        return FSDPTPStrategy(tensor_parallel_size=2)
+    return name
+
+
 def _logits(engine: Any, model: Any, batch: torch.Tensor) -> torch.Tensor | None:
     with torch.no_grad():
         out = engine.eval_batch(model, (batch,)).outputs
@@ -79,7 +92,7 @@ def load(strategy: str, devices: int, hf: str, out: Path) -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf)
-    engine = sg.Engine(strategy=strategy, accelerator="cpu", devices=devices)
+    engine = sg.Engine(strategy=_strategy(strategy), accelerator="cpu", devices=devices)
     with engine.init_module(empty_init=True):
         module = llama_module(config)
     model = engine.setup(module, init_weights=hf)
@@ -97,7 +110,7 @@ def finetune(strategy: str, devices: int, hf: str, out: Path, s3: str | None) ->
     data = tokens(seed=7, n=STEPS * BATCH * 2)
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=BATCH)
     trainer = sg.Trainer(
-        strategy=strategy,
+        strategy=_strategy(strategy),
         accelerator="cpu",
         devices=devices,
         max_steps=STEPS,

@@ -68,9 +68,17 @@ class Loader:
         self.match, problem = match(tensors, self.source, to_hf, self.tied, self.request.strict)
         if problem is not None:
             if self.request.strict:
-                raise CheckpointError(self.source.where, problem + "\nNothing was loaded.")
+                raise CheckpointError(
+                    self.source.where,
+                    f"{problem}\nNothing was loaded. If the names differ, give the model an adapter (hf_adapter; "
+                    "see docs/hugging-face.md); HFWeights(path, strict=False) loads what fits and initialises the "
+                    "rest.",
+                )
             if strategy.is_global_zero:
-                warnings.warn(f"init_weights: loading what fits; {problem}", stacklevel=3)
+                warnings.warn(
+                    f"init_weights: loading what fits; {problem}\nWhat was not loaded is initialised by its module.",
+                    stacklevel=3,
+                )
         self.to_initialise = _needing_init(model, self.match.skipped)
 
     def load(self, shards: Callable[[], list[WeightShard]]) -> dict[str, Any]:

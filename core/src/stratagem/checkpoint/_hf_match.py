@@ -125,7 +125,7 @@ def match(
     unexpected = sorted(set(entries) - used)
     if not (missing or unexpected or wrong):
         return Match(links, skipped, casts), None
-    lines = [f"the model does not match the Hugging Face weights at {source.where}:"]
+    lines = ["the model does not match these Hugging Face weights:"]
     if missing:
         lines.append(
             f"  {len(missing)} missing from the checkpoint: {listing(list(missing), unexpected, 'there')}"
@@ -138,10 +138,6 @@ def match(
     if wrong:
         more = f"; and {len(wrong) - SHOWN} more" if len(wrong) > SHOWN else ""
         lines.append(f"  {len(wrong)} that do not fit: " + "; ".join(wrong[:SHOWN]) + more)
-    lines.append(
-        "If the names differ, give the model an adapter (hf_adapter, see docs/hugging-face.md); pass "
-        "HFWeights(path, strict=False) to load what fits and initialise the rest."
-    )
     return Match(links, skipped, casts), "\n".join(lines)
 
 

@@ -178,7 +178,7 @@ def hf_shapes(links: list[Link], shapes: dict[str, tuple[int, ...]]) -> dict[str
 
 
 def closest(name: str, candidates: Sequence[str]) -> str | None:
-    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return match[0] if match else None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -66,8 +67,15 @@ def plan_export(
             if link.hf not in order:
                 order.append(link.hf)
     exported = hf_shapes([link for ls in links.values() for link in ls], shapes)
+    # In natural order of the names (layers.2 before layers.10), whatever order the ranks held them in: the
+    # same weights make the same files, from any strategy, live or from a checkpoint.
+    order.sort(key=natural)
     output = plan_output([(hf, dtypes[hf], exported[hf]) for hf in order], max_shard_bytes)
     return ExportPlan(links=links, output=output)
+
+
+def natural(name: str) -> list[Any]:
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
 class Files:

@@ -86,6 +86,25 @@ def has_meta_tensors(module: torch.nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
+def shared_parameters(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """``(alias, first name)`` of each parameter registered under several names (tied embeddings)."""
+    first: dict[int, str] = {}
+    shared = []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            shared.append((name, first[id(param)]))
+        else:
+            first.setdefault(id(param), name)
+    return shared
+
+
+def retie(module: torch.nn.Module, shared: list[tuple[str, str]]) -> None:
+    """Make each alias the same parameter as its first name again: ``to_empty`` gives every name its own."""
+    for alias, name in shared:
+        owner, _, attribute = alias.rpartition(".")
+        module.get_submodule(owner)._parameters[attribute] = module.get_parameter(name)
+
+
 def materialize_meta(module: torch.nn.Module, device: torch.device | str) -> None:
     """Allocate meta parameters and buffers on ``device`` and initialise them with ``reset_parameters``.
 
@@ -96,7 +115,9 @@ def materialize_meta(module: torch.nn.Module, device: torch.device | str) -> Non
 
     if not has_meta_tensors(module):
         return
+    shared = shared_parameters(module)
     module.to_empty(device=device)
+    retie(module, shared)
     if not initializing():
         return
     uninitialised = []
