@@ -13,6 +13,7 @@ import torch
 from stratagem.engine._checkpoints import Checkpoints
 from stratagem.engine._compiling import Compiling
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
+from stratagem.engine._init_weights import wrap_and_load
 from stratagem.engine._launching import Launching
 from stratagem.engine._optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer
 from stratagem.engine._steps import Steps
@@ -287,9 +288,6 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
     ) -> Any:
         """Wrap the model and its optimizers; return ``model`` or ``(model, *optimizers)``.
 
-        ``init_weights``: Hugging Face weights to fill the model with once it is wrapped (see
-        :meth:`setup_module`).
-
         ``compile``: ``True``, or a dict of ``backend``, ``mode``, ``fullgraph``, ``dynamic`` and ``regional``
         (:class:`~stratagem.strategies.compiling.CompileOptions`), compiles the model with ``torch.compile``
         in the framework's place: after tensor parallelism and activation checkpointing, before data-parallel
@@ -316,20 +314,10 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
     def setup_module(
         self, model: torch.nn.Module, compile: Any = None, init_weights: Any = None
     ) -> torch.nn.Module:
-        """Wrap the model alone (``compile`` as in :meth:`setup`).
-
-        ``init_weights``: the path or URL of Hugging Face safetensors (a model folder, a file, an index) or a
-        :class:`~stratagem.checkpoint.hf.HFWeights`. A model built on the meta device (``init_module(empty_init=
-        True)``) is then allocated without being initialised and filled from it, each rank reading only the
-        parts it holds; names, shapes and dtypes are checked before anything is allocated.
-        """
+        """Wrap the model alone (``compile`` as in :meth:`setup`). ``init_weights``: Hugging Face weights to fill
+        it with, each rank reading only its parts (a path, URL or ``HFWeights``; docs/hugging-face.md)."""
         self.setup_environment()
-        if init_weights is not None:
-            from stratagem.engine._init_weights import wrap_and_load
-
-            wrapped = wrap_and_load(self, model, init_weights, lambda: self._wrap(model, compile))
-        else:
-            wrapped = self._wrap(model, compile)
+        wrapped = wrap_and_load(self, model, init_weights, lambda: self._wrap(model, compile))
         self._models.append(wrapped)
         return wrapped
 

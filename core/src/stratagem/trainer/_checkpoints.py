@@ -54,6 +54,7 @@ class CheckpointingMixin:
     _epoch_rng: dict[str, Any] | None
     _resume: dict[str, Any] | None
     _last_saved_step: int | None
+    _init_weights: Any
     #: The train loader's per-process batch size (None: no fixed one), set by ``fit``.
     _batch_size: int | None = None
 
@@ -130,6 +131,23 @@ class CheckpointingMixin:
         on with the same samples."""
         replicas = self.engine.data_parallel_size
         return Consumption(self._batch_size, replicas, self.options.accumulate_grad_batches)
+
+    @staticmethod
+    def _checked_init_weights(init_weights: Any) -> Any:
+        """``Trainer(init_weights=...)`` as ``HFWeights``; a local path that does not exist fails here, before
+        anything launches."""
+        from stratagem.checkpoint._hf_match import checked_request
+
+        return None if init_weights is None else checked_request(init_weights)
+
+    def _start_from(self, ckpt_path: Any) -> tuple[Path | str | None, Any]:
+        """``(checkpoint to resume from, Hugging Face weights to load)``: never both, the checkpoint winning."""
+        self.engine.setup_environment()
+        resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
+        if resume_from is None or self._init_weights is None:
+            return resume_from, self._init_weights
+        self.print(f"init_weights is not read: resuming from {resume_from}, whose weights take precedence.")
+        return resume_from, None
 
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None:
         if ckpt_path is None:

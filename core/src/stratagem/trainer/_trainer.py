@@ -4,7 +4,6 @@ callbacks and loggers it was given (see the Trainer events in :mod:`stratagem.ho
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 from pathlib import Path
@@ -12,11 +11,9 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _hf_match as _hf
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
 from stratagem.errors import ConfigurationError
 from stratagem.launchers import _restarts
-from stratagem.launchers import _spawn as launcher
 from stratagem.launchers._watchdog import collective_timeout
 from stratagem.registry._events import TrainerEventHooks
 from stratagem.trainer import _events as _callbacks
@@ -34,6 +31,7 @@ from stratagem.trainer._preemption import Preemption, PreemptionOptions
 from stratagem.trainer._progress import ProgressBar
 from stratagem.trainer._recovery import Recovery
 from stratagem.trainer._resume import Position
+from stratagem.trainer._teardown import _register_teardown
 from stratagem.trainer.module import Module
 
 __all__ = ["Trainer", "TrainerOptions"]
@@ -94,11 +92,10 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         ``torch.compile`` the model in the framework's place (after tensor parallelism and activation
         checkpointing, before data-parallel wrapping; each repeated block once by default). Checked here, before
         anything launches. See :meth:`stratagem.Engine.setup`.
-    :param init_weights: Hugging Face weights to start from: the path or URL of a model folder, a
-        ``.safetensors`` file or an index, or a :class:`~stratagem.checkpoint.hf.HFWeights` (adapter, strict).
-        ``configure_model`` then builds on the meta device and each rank reads only its parts of the weights;
-        a mismatch is refused before training. A checkpoint ``fit`` resumes from (``ckpt_path``) takes
-        precedence. See docs/hugging-face.md.
+    :param init_weights: Hugging Face weights to start from: a model folder, a ``.safetensors`` file or its index,
+        local or at a URL, or a :class:`~stratagem.checkpoint.hf.HFWeights` (adapter, strict). ``configure_model``
+        then builds on the meta device and each rank reads only its parts; a mismatch is refused before training;
+        a checkpoint ``fit`` resumes from takes precedence (docs/hugging-face.md).
     """
 
     def __init__(
@@ -178,7 +175,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         # Checked before anything launches; the workers get the checked options (False: none, whatever the
         # environment says).
         self._compile = self.engine.resolve_compile(compile) or False
-        self._init_weights = None if init_weights is None else _hf.checked_request(init_weights)
+        self._init_weights = self._checked_init_weights(init_weights)
         launcher_restarts = _restarts.max_restarts()
         if launcher_restarts and not max_restarts:
             # Restarts asked of the launcher (`stratagem run --max-restarts`, `torchrun --max-restarts`).
@@ -287,13 +284,8 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         if self.engine.needs_launch:
             _fit_checks.check_optimizers_before_launch(model, strategy_optimizer)
             self._launch()
-        self.engine.setup_environment()
-        resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
-        if resume_from is not None and self._init_weights is not None:
-            self.print(
-                f"init_weights is not read: resuming from {resume_from}, whose weights take precedence."
-            )
-        self._setup(model, with_optimizers=True, init_weights=None if resume_from else self._init_weights)
+        resume_from, init_weights = self._start_from(ckpt_path)
+        self._setup(model, with_optimizers=True, init_weights=init_weights)
         self._batch_size = loader_batch_size(train_dataloaders)
         if self._batch_size is not None:
             self.engine.check_batch_size(self._batch_size)
@@ -348,25 +340,23 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
             model.__dict__["_stratagem_trainer"] = self
             self.module = model
             if not model.__dict__.get("_stratagem_configured", False):
-                # With Hugging Face weights to load, on the meta device: each rank allocates its part only.
                 with engine.init_module(empty_init=init_weights is not None):
                     model.configure_model()
                 model.__dict__["_stratagem_configured"] = True
         elif self.options.seed is not None and with_optimizers:
             engine.seed_everything(self.options.seed)
+        wrap = {"compile": self._compile, "init_weights": init_weights}
         if with_optimizers and not self.optimizers:
             optimizers, self.lr_schedulers = _fit_checks.configured_optimizers(model, engine.strategy)
             if first and optimizers:
-                self.model, *self.optimizers = engine.setup(
-                    model, *optimizers, compile=self._compile, init_weights=init_weights
-                )
+                self.model, *self.optimizers = engine.setup(model, *optimizers, **wrap)
             else:
                 if first:  # no optimizer of the module's: the strategy's configuration defines it
-                    self.model = engine.setup_module(model, compile=self._compile, init_weights=init_weights)
+                    self.model = engine.setup_module(model, **wrap)
                 # Set up by validate() before: optimizers over the wrapped model's parameters.
                 self.optimizers = engine.setup_optimizers(self.model, *optimizers)
         elif first:
-            self.model = engine.setup_module(model, compile=self._compile, init_weights=init_weights)
+            self.model = engine.setup_module(model, **wrap)
 
     def _prepare_loader(self, loader: Any) -> Any:
         return self.engine.setup_dataloaders(
@@ -383,32 +373,3 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         assert model is not None and module is not None
         with redirected_forward(module, method):
             return model(*args)
-
-
-# -------------------------------------------------------------------------------------------------
-# helpers
-# -------------------------------------------------------------------------------------------------
-
-
-_TEARDOWN_REGISTERED: set[int] = set()
-
-
-def _register_teardown(engine: Engine) -> None:
-    """Leave the process group when the script ends normally (the Trainer may be used after ``fit``).
-
-    Not after an uncaught exception: the barrier of the teardown would wait for peers that the launcher is
-    stopping anyway.
-    """
-    if id(engine) in _TEARDOWN_REGISTERED:
-        return
-    _TEARDOWN_REGISTERED.add(id(engine))
-    launcher.watch_uncaught()
-
-    def teardown() -> None:
-        if launcher.uncaught_exception():
-            return
-        # A peer that failed makes the barrier fail here too; the launcher reports that peer's error.
-        with contextlib.suppress(Exception):
-            engine.teardown()
-
-    atexit.register(teardown)
