@@ -370,3 +370,36 @@ def test_the_command_exports_a_checkpoint_with_the_config_and_says_what_it_skipp
         timeout=100,
     )
     assert again.returncode != 0 and "exists and is not empty" in again.stderr
+
+
+def test_a_resume_takes_precedence_over_init_weights_and_keeps_the_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _save(tmp_path / "in", _weights())
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randint(0, 10, (8, 3))), batch_size=4
+    )
+
+    def fit(steps: int, ckpt_path=None) -> sg.Trainer:
+        trainer = sg.Trainer(
+            strategy="single_device",
+            accelerator="cpu",
+            max_steps=steps,
+            default_root_dir=tmp_path / "run",
+            checkpoint_every_n_steps=2,
+            enable_progress_bar=False,
+            init_weights=source,
+            loggers=[],
+        )
+        with trainer.init_module(empty_init=True):
+            model = Net()
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return trainer
+
+    fit(2)
+    assert "init_weights: 5 tensors" in capsys.readouterr().out
+    trainer = fit(4, ckpt_path="last")
+    out = capsys.readouterr().out
+    assert "init_weights is not read: resuming from" in out and "init_weights: 5 tensors" not in out
+    saved = torch.load(tmp_path / "run/checkpoints/step-000004.ckpt", weights_only=True)["state"]["hf"]
+    assert saved["source"] == str(source) and trainer.global_step == 4

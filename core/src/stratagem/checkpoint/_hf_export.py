@@ -96,7 +96,7 @@ def export_checkpoint(
     record = dict(read_plain_state(source).get("hf") or {})
     to_hf = _names(record, adapter, prefix)
     with _tensors_of(source, module) as (listing, groups):
-        plan = plan_export(listing, to_hf, dict(record.get("tied") or {}), _bytes(max_shard_size, listing))
+        plan = plan_export(listing, to_hf, dict(record.get("tied") or {}), _bytes(max_shard_size))
         staging = staging_dir(target, overwrite)
         meter, written = _Meter(), 0
         try:
@@ -130,7 +130,7 @@ def export_checkpoint(
     }
 
 
-def _bytes(max_shard_size: int | str, listing: list[Any]) -> int:
+def _bytes(max_shard_size: int | str) -> int:
     try:
         return parse_size(max_shard_size)
     except ValueError as error:

@@ -34,6 +34,9 @@ from stratagem.errors import CheckpointError
 
 #: Where a loaded model keeps what an export needs later (the folder it came from, how names map).
 RECORD = "_stratagem_hf"
+#: ``init_weights`` when a checkpoint loaded right after gives the values (a resume wins over Hugging Face
+#: weights): the meta model is allocated, what no checkpoint holds is initialised, nothing is read.
+FROM_CHECKPOINT = "(weights from the checkpoint loaded next)"
 #: This rank's figures of the last load into a model (tensors, bytes read, seconds), for reports and tests.
 REPORT = "_stratagem_hf_report"
 
@@ -79,10 +82,11 @@ class Loader:
                     f"init_weights: loading what fits; {problem}\nWhat was not loaded is initialised by its module.",
                     stacklevel=3,
                 )
-        self.to_initialise = _needing_init(model, self.match.skipped)
+        self.to_initialise = needing_init(model, self.match.skipped)
 
     def load(self, shards: Callable[[], list[WeightShard]]) -> dict[str, Any]:
         """Initialise what the checkpoint lacks, then fill this rank's shards; return the report."""
+        # to_initialise comes from the whole model before wrapping, the same on every rank: all or none broadcast.
         random_state = self.strategy.broadcast(torch.get_rng_state(), 0) if self.to_initialise else None
         started = time.monotonic()
         report, error = None, None
@@ -159,7 +163,7 @@ def describe(report: dict[str, Any], source: Source, found: Match) -> str:
 # -------------------------------------------------------------------------------------------------
 
 
-def _needing_init(model: torch.nn.Module, skipped: set[str]) -> list[str]:
+def needing_init(model: torch.nn.Module, skipped: set[str]) -> list[str]:
     """Modules with meta tensors that no checkpoint fills: non-persistent buffers, and tensors not loaded."""
     names = []
     for name, module in model.named_modules():

@@ -146,8 +146,10 @@ class CheckpointingMixin:
         resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is None or self._init_weights is None:
             return resume_from, self._init_weights
+        from stratagem.checkpoint._hf_load import FROM_CHECKPOINT
+
         self.print(f"init_weights is not read: resuming from {resume_from}, whose weights take precedence.")
-        return resume_from, None
+        return resume_from, FROM_CHECKPOINT
 
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None:
         if ckpt_path is None:
@@ -207,6 +209,8 @@ class CheckpointingMixin:
         if message is not None:
             self.print(message)
         assert self.module is not None
+        if isinstance(rest.get("hf"), dict):  # the Hugging Face folder the run started from, for its exports
+            self.module.__dict__["_stratagem_hf"] = dict(rest["hf"])
         self.module.on_load_checkpoint(dict(rest.get("extras") or {}))
         if isinstance(rest.get("callbacks"), dict):
             self._events.restore_states(self, str(path), rest["callbacks"])
