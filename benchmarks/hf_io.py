@@ -90,7 +90,14 @@ def worker(args: argparse.Namespace) -> None:
     hf, out = Path(args.hf), Path(args.out)
     files = sorted(hf.glob("*.safetensors"))
     config = AutoConfig.from_pretrained(hf)
-    state: dict[str, Any] = {"loaded": {}, "model": None, "reads": [], "reading": []}
+    state: dict[str, Any] = {
+        "loaded": {},
+        "model": None,
+        "reads": [],
+        "reading": [],
+        "writing": [],
+        "publishing": [],
+    }
 
     def raw_load() -> None:
         # load_file maps the file: the copy into the process's memory is the read (what init_weights does).
@@ -123,7 +130,9 @@ def worker(args: argparse.Namespace) -> None:
             _fsync_tree(target)
 
     def ours_export() -> None:
-        save_weights(engine, state["model"], out / "ours", max_shard_size="200MB", overwrite=True)
+        report = save_weights(engine, state["model"], out / "ours", max_shard_size="200MB", overwrite=True)
+        state["writing"].append(report["seconds_writing"])
+        state["publishing"].append(report["seconds_publishing"])
 
     # Warm-up: first touches of the files and the allocator; the export's files are the plan raw writes copy.
     for function in (raw_load, ours_load, ours_export, raw_export):
@@ -144,8 +153,8 @@ def worker(args: argparse.Namespace) -> None:
     reads: list[Any] = [None] * engine.world_size
     dist.all_gather_object(reads, state["reads"][-1])
     if engine.rank == 0:
-        reading = state["reading"][-args.repeats :]
-        (out / "times.json").write_text(json.dumps({"times": times, "reads": reads, "reading": reading}))
+        split = {k: state[k][-args.repeats :] for k in ("reading", "writing", "publishing")}
+        (out / "times.json").write_text(json.dumps({"times": times, "reads": reads, **split}))
     engine.teardown()
 
 
@@ -286,6 +295,13 @@ def main() -> None:
     ]
     print(table(rows, ["stratagem", "median (IQR)", "direct", "median (IQR)", "ratio (paired)", "goal"]))
     per_rank = result["reads"]
+    print(
+        f"of the load, rank 0 initialising and reading (after the check and the sharding): {_spread(result['reading'])}"
+    )
+    print(
+        f"of the live export, rank 0 planning and writing its parts: {_spread(result['writing'])}; publishing "
+        f"(index, config, fsync of every file, rename): {_spread(result['publishing'])}"
+    )
     print(
         f"bytes each rank read per load: {', '.join(f'{r / 2**20:.1f} MiB' for r in per_rank)} "
         f"(a quarter of the model is {total / 4 / 2**20:.1f} MiB; + the largest tensor {(total / 4 + largest) / 2**20:.1f} MiB)"

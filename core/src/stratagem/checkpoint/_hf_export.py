@@ -13,6 +13,7 @@ import importlib
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -266,21 +267,24 @@ def save_live(
     target = _store.location(output)
     to_hf, _ = resolve_adapter(module, None)
     mine = {s.name: (s.shape, s.tensor.dtype) for s in shards}
-    keys = [s.key for s in shards]
-    gathered: list[Any] = [(mine, keys)]
+    # Every rank plans the same files from what all ranks hold (a pipeline stage holds its tensors only).
+    gathered: list[Any] = [(mine, [s.key for s in shards], tied_names(module))]
     if strategy.world_size > 1:
         gathered = [None] * strategy.world_size
-        dist.all_gather_object(gathered, (mine, keys))
+        dist.all_gather_object(gathered, (mine, [s.key for s in shards], tied_names(module)))
     listing: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     writer: dict[Any, int] = {}
-    for rank, (names, held) in enumerate(gathered):
+    tied: dict[str, str] = {}
+    for rank, (names, held, aliases) in enumerate(gathered):
         for name, value in names.items():
             listing.setdefault(name, value)
         for key in held:
             writer.setdefault(key, rank)  # the lowest rank that holds a part writes it
+        tied.update(aliases)
     tensors = [(n, s, d) for n, (s, d) in listing.items()]
-    plan = plan_export(tensors, to_hf, tied_names(module), parse_size(max_shard_size))
+    plan = plan_export(tensors, to_hf, tied, parse_size(max_shard_size))
     staging, error = None, None
+    started = time.monotonic()
     if strategy.is_global_zero:
         try:
             staging = staging_dir(target, overwrite)
@@ -296,6 +300,7 @@ def save_live(
         error = exc
     files.close()
     agree(strategy, target, error, "writing the Hugging Face export")
+    written = time.monotonic()
     if strategy.is_global_zero:
         try:
             publish(staging, target, plan.output, _live_companions(module, plan))
@@ -307,6 +312,9 @@ def save_live(
         "files": sorted(plan.output.files),
         "bytes": plan.output.total_size,
         "bytes_written": files.bytes_written,
+        # Seconds on this rank: planning and writing its parts; rank 0 publishing (with its fsyncs).
+        "seconds_writing": written - started,
+        "seconds_publishing": time.monotonic() - written,
     }
 
 
