@@ -1,8 +1,8 @@
 """Hugging Face weights under the strategies of one family, in one launch (strategies one after another):
 
 - ``--load``: a tiny Llama built on the meta device, filled from the safetensors folder ``--hf``
-  (``Engine.setup(init_weights=...)``); the logits of a fixed batch, and the bytes each rank read, go to
-  ``OUT/load-NAME-rankR.pt``.
+  (``Engine.setup(init_weights=...)``), then exported straight back (``save_weights``, to ``OUT/export-NAME``);
+  the logits of a fixed batch and the bytes each rank read and wrote go to ``OUT/load-NAME-rankR.pt``.
 - ``--finetune``: 5 steps of ``Trainer(init_weights=..., callbacks=[HFExport])``, then a sharded and a full
   checkpoint (and with ``--s3 URL``, the same sharded checkpoint on S3) and the trained model's logits, in
   ``OUT/ft-NAME/``.
@@ -27,6 +27,7 @@ from transformers import LlamaForCausalLM
 
 import stratagem as sg
 from stratagem.callbacks import HFExport
+from stratagem.checkpoint.hf import save_weights
 
 STEPS = 5
 BATCH = 4
@@ -98,7 +99,12 @@ def load(strategy: str, devices: int, hf: str, out: Path) -> None:
     model = engine.setup(module, init_weights=hf)
     report = module.__dict__["_stratagem_hf_report"]
     logits = _logits(engine, model, tokens()[:, :-1])
-    torch.save({"logits": logits, "report": report}, out / f"load-{strategy}-rank{engine.rank}.pt")
+    # Straight back out from the shards: each part written once, by one rank that holds it.
+    written = save_weights(engine, model, out / f"export-{strategy}", max_shard_size="40KB")["bytes_written"]
+    torch.save(
+        {"logits": logits, "report": report, "written": written},
+        out / f"load-{strategy}-rank{engine.rank}.pt",
+    )
     engine.barrier()
     engine.teardown()
 

@@ -145,6 +145,30 @@ def test_loaded_logits_equal_from_pretrained(
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize(("family", "strategy"), _family_params(1))
+def test_the_loaded_shards_export_back_each_part_once(
+    family: str, strategy: str, launched: Any, hf_folder: Path
+) -> None:
+    """``save_weights`` right after the load: every tensor equal to the source's, and the ranks together wrote
+    each byte once (replicas write nothing), under fsdp at 4 processes each at most a quarter plus the largest
+    tensor."""
+    import safetensors.torch as st
+
+    source = {k: v for f in hf_folder.glob("*.safetensors") for k, v in st.load_file(f).items()}
+    out = launched(family)
+    exported = {
+        k: v for f in (out / f"export-{strategy}").glob("*.safetensors") for k, v in st.load_file(f).items()
+    }
+    assert sorted(exported) == sorted(source) and all(torch.equal(exported[k], source[k]) for k in source)
+    total = sum(v.numel() * v.element_size() for v in source.values())
+    written = {r: d["written"] for r, d in _rank_files(out, f"load-{strategy}-rank*.pt").items()}
+    assert sum(written.values()) == total, written
+    if (family, strategy) == ("torch4", "fsdp"):
+        largest = max(v.numel() * v.element_size() for v in source.values())
+        assert all(n <= total / 4 + largest for n in written.values()), written
+
+
+@pytest.mark.timeout(900)
 def test_each_rank_reads_only_its_part(launched: Any, hf_folder: Path) -> None:
     """fsdp at 4 processes: each rank's bytes read (counted from what it materialised) is at most a quarter of
     the model plus its largest tensor, and together the ranks read every byte once."""

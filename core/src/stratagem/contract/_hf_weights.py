@@ -1,6 +1,6 @@
-"""The contract's Hugging Face section (phase two, in the launch that loads checkpoints): the model built on the
-meta device and filled from safetensors (``Engine.setup(init_weights=...)``), then exported from its sharded
-state (``save_weights``). The safetensors are the ``single_device`` checkpoint's weights, exported offline;
+"""The contract's Hugging Face section (phase two, in the launch that loads checkpoints): a model filled from
+safetensors as it is set up (``Engine.setup(init_weights=...)``), then exported from its sharded state
+(``save_weights``). The safetensors are the ``single_device`` checkpoint's weights, exported offline;
 a strategy passes when it loads exactly those weights and its export is the same bytes. A strategy needs
 nothing for it beyond its sharded state dict (or its own ``weight_shards`` hook)."""
 
@@ -29,7 +29,10 @@ def hf_weights(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
             spec["single_device_checkpoint"], source, max_shard_size=MAX_SHARD_SIZE, overwrite=True
         )
     engine.barrier("stratagem-contract-hf-in")
-    with engine.init_module(empty_init=True):
+    # Built as the strategy builds any model (another seed: the load must overwrite it), not on the meta device:
+    # materialising a meta model is not part of the contract (tests/test_hf_weights.py covers it in this
+    # repository's strategies).
+    with engine.init_module():
         model = m.build_model(SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=m.LEARNING_RATE)
     model, optimizer = engine.setup(model, optimizer, init_weights=str(source))

@@ -96,7 +96,7 @@ def test_loads_a_full_checkpoint_written_by_single_device(contract_run: Any) -> 
 
 
 def test_hugging_face_weights_load_and_export_bit_equal(contract_run: Any) -> None:
-    """The single_device checkpoint's weights as safetensors, loaded into a model built on the meta device
+    """The single_device checkpoint's weights as safetensors, loaded into a model as it is set up
     (``init_weights``), then exported from the sharded state: the same values, and the same file bytes."""
     _require_training(contract_run)
     hf = section(contract_run, 2, "hf_weights")
