@@ -403,3 +403,13 @@ def test_a_resume_takes_precedence_over_init_weights_and_keeps_the_record(
     assert "init_weights is not read: resuming from" in out and "init_weights: 5 tensors" not in out
     saved = torch.load(tmp_path / "run/checkpoints/step-000004.ckpt", weights_only=True)["state"]["hf"]
     assert saved["source"] == str(source) and trainer.global_step == 4
+
+
+def test_load_weights_fills_a_model_set_up_already(tmp_path: Path) -> None:
+    from stratagem.checkpoint.hf import load_weights
+
+    engine = sg.Engine(strategy="single_device", accelerator="cpu")
+    model = engine.setup(Net())  # built and initialised as usual, then filled
+    report = load_weights(engine, model, _save(tmp_path / "in", _weights(seed=3)))
+    assert report["tensors"] == 5 and report["bytes_read"] == sum(v.numel() * 4 for v in _weights().values())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in _weights(seed=3).items())
