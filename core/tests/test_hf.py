@@ -197,6 +197,16 @@ def test_an_adapter_fuses_and_splits_on_load_and_export(tmp_path: Path) -> None:
     back = st.load_file(str(file))
     assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
 
+    class Adapter:  # the class form, given with the weights rather than declared by the model
+        def to_hf(self, name: str):
+            return FusedAttention.hf_adapter(name)
+
+    class Bare(FusedAttention):
+        hf_adapter = None
+
+    _, bare = _setup(tmp_path / "in", Bare, adapter=Adapter())
+    assert torch.equal(bare.qkv.weight, model.qkv.weight) and torch.equal(bare.up.weight, model.up.weight)
+
 
 def test_a_transformers_model_needs_no_adapter_and_tied_weights_are_stored_once(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
