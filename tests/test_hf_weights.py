@@ -115,7 +115,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory, hf_folder: Path, s3: Any)
             out = tmp_path_factory.mktemp(family)
             command = [sys.executable, "-m", "stratagem", "run", "--devices", str(devices), str(SCRIPT)]
             command += ["--hf", str(hf_folder), "--out", str(out), "--load", ",".join(loads)]
-            command += ["--finetune", ",".join(finetunes), "--s3", f"s3://hf-weights/{family}"]
+            command += ["--finetune", ",".join(finetunes)]
+            if family == "torch2":  # the S3 test's run (DeepSpeed's own sharded layout lives on local disks)
+                command += ["--s3", f"s3://hf-weights/{family}"]
             env = {**os.environ, **s3.env(), "DS_ACCELERATOR": "cpu"}
             run = subprocess.run(command, capture_output=True, text=True, timeout=840, env=env)
             assert run.returncode == 0, run.stderr[-6000:]
