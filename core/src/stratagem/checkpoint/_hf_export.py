@@ -96,7 +96,7 @@ def export_checkpoint(
     target = _store.location(output)
     record = dict(read_plain_state(source).get("hf") or {})
     to_hf = _names(record, adapter, prefix)
-    with _tensors_of(source, module) as (listing, groups):
+    with _TensorsOf(source, module) as (listing, groups):
         plan = plan_export(listing, to_hf, dict(record.get("tied") or {}), _bytes(max_shard_size))
         staging = staging_dir(target, overwrite)
         meter, written = _Meter(), 0
@@ -148,7 +148,7 @@ def _write_whole(files: Files, plan: ExportPlan, name: str, tensor: torch.Tensor
     return written
 
 
-class _tensors_of:
+class _TensorsOf:
     """``(listing, groups)``: the module's tensors ``(name, shape, dtype)`` in order, and a function that yields
     them in groups ``{name: tensor}``; a context manager, for the scratch copy of a full checkpoint on a store."""
 
