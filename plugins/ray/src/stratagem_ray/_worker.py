@@ -59,7 +59,7 @@ class _Worker:
             sys.stderr.flush()
             # A failure that reached here travels to the driver as an exception: the file is not needed.
             with contextlib.suppress(OSError):
-                os.unlink(env[ERROR_FILE_ENV])
+                os.unlink(env.get(ERROR_FILE_ENV, ""))
 
 
 def _run_command(command: list[str]) -> None:
