@@ -120,9 +120,7 @@ def _assert_as_elastic(got: list[dict], want: list[dict], exact: bool = False) -
     )
 
 
-def test_srun_on_two_nodes_trains_as_the_elastic_launcher(
-    nodes: Any, elastic_four: list[dict], tmp_path: Path
-) -> None:
+def test_srun_on_two_nodes_trains_as_the_elastic_launcher(nodes: Any, elastic_four: list[dict]) -> None:
     root = nodes.hosts[0].shared / "srun"
     _train(nodes, root, *TWO_NODES, prefix=(nodes._commands["srun"], "-N2", "-n4"))
     _assert_as_elastic(_results(root), elastic_four)
