@@ -329,14 +329,12 @@ class Hosts:
         """After a test: raise :class:`LeftBehindError` naming any process it left on the hosts (daemons
         aside), once they are killed so that the next test starts clean, and any stratagem scratch entry left
         in a host's local folder (:meth:`scratch_left`), once removed."""
-        found = self.left_behind(grace)
-        scratch = self.scratch_left()
+        found, scratch, problems = self.left_behind(grace), self.scratch_left(), []
         for _, path in self._scratch():
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
-        problems = []
         if scratch:
             problems.append(
                 f"stratagem scratch in the hosts' temporary folders (now removed): {'; '.join(scratch)}"
