@@ -11,6 +11,7 @@ come back.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -44,12 +45,12 @@ ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 IDLE = "ray::IDLE"
 
 _ALIVE = """
-import sys, time, ray
+import json, sys, time, ray
 ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
 deadline = time.monotonic() + float(sys.argv[3])
 while len([n for n in ray.nodes() if n["Alive"]]) < int(sys.argv[2]) and time.monotonic() < deadline:
     time.sleep(0.5)
-print(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]))
+print(json.dumps(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])))
 """
 
 
@@ -70,7 +71,7 @@ def alive(hosts: Any, count: int, timeout: float = 120) -> list[str]:
         env=ENV,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return eval(done.stdout.strip().splitlines()[-1])  # a list of strings printed by _ALIVE
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
