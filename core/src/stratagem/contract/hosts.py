@@ -119,6 +119,8 @@ class Host:
         self.hosts._started.append(process)
         if daemon:
             self.hosts._daemons.add(process.pid)
+        # Not on the host until nsenter has entered its namespace: a check made before would not see it.
+        ns.wait_entered(process, self.hosts._inodes[self.namespace])
         return process
 
     def run(
