@@ -60,19 +60,9 @@ class Engine:
         launcher: Any = "auto",
         launcher_options: Mapping[str, Any] | None = None,
     ) -> None:
-        # What workers rebuild this Engine from.
-        self._config = dict(
-            strategy=strategy,
-            accelerator=accelerator,
-            devices=devices,
-            num_nodes=num_nodes,
-            precision=precision,
-            timeout=timeout,
-            addons=tuple(addons),
-            max_restarts=max_restarts,
-            launcher=launcher,
-            launcher_options=dict(launcher_options or {}),
-        )
+        # What workers rebuild this Engine from: the arguments (read first, while locals() holds only them).
+        self._config = {name: value for name, value in locals().items() if name != "self"}
+        self._config.update(addons=tuple(addons), launcher_options=dict(launcher_options or {}))
         request = make_request(accelerator, precision, devices, num_nodes, timeout, max_restarts)
         self.accelerator, self.precision = request.accelerator, request.precision
         self.devices, self.num_nodes, self.timeout = request.devices, request.num_nodes, request.timeout
@@ -207,7 +197,9 @@ class Engine:
         with hooks.model_init_context(empty_init), hooks.model_sharded_context():
             yield
 
-    def setup(self, model: torch.nn.Module, *optimizers: Any, compile: Any = None) -> Any:
+    def setup(
+        self, model: torch.nn.Module, *optimizers: Any, compile: Any = None, init_weights: Any = None
+    ) -> Any:
         """Wrap the model and its optimizers; return ``model`` or ``(model, *optimizers)``.
 
         ``compile``: ``True``, or a dict of ``backend``, ``mode``, ``fullgraph``, ``dynamic`` and ``regional``
@@ -216,11 +208,14 @@ class Engine:
         wrapping; each repeated block once by default. ``None`` takes ``STRATAGEM_COMPILE`` (``stratagem run
         --compile``), if set. A model wrapped by ``torch.compile`` already is unwrapped and compiled there.
         """
-        return self._models.setup(model, optimizers, compile)
+        return self._models.setup(model, optimizers, compile, init_weights)
 
-    def setup_module(self, model: torch.nn.Module, compile: Any = None) -> torch.nn.Module:
-        """Wrap the model alone (``compile`` as in :meth:`setup`)."""
-        return self._models.setup_module(model, compile)
+    def setup_module(
+        self, model: torch.nn.Module, compile: Any = None, init_weights: Any = None
+    ) -> torch.nn.Module:
+        """Wrap the model alone (``compile`` as in :meth:`setup`). ``init_weights``: Hugging Face weights to fill
+        it with, each rank reading only its parts (a path, URL or ``HFWeights``; docs/hugging-face.md)."""
+        return self._models.setup_module(model, compile, init_weights)
 
     def setup_optimizers(self, model: torch.nn.Module, *optimizers: Any) -> list[StrategyOptimizer]:
         return self._models.setup_optimizers(model, optimizers)
@@ -329,6 +324,11 @@ class Engine:
         return self._runtime.hooks.run_evaluation_batch(
             model, batch, batch_idx, split_batch, compute_loss, stage
         )
+
+    def weight_shards(self, model: torch.nn.Module, purpose: str) -> list[Any]:
+        """The parts of ``model``'s tensors this rank holds (the ``weight_shards`` hook, through any add-ons), for
+        Hugging Face weights read into it (``purpose="load"``) or written from it (``"export"``)."""
+        return self._runtime.hooks.weight_shards(model, purpose)
 
     # checkpoints -----------------------------------------------------------------------------------
     def save(

@@ -1,6 +1,7 @@
 """Where an Engine's models are set up: the model wrapped by the strategy's ``wrap_model`` with compile placed
 where that hook says (``compile=`` checked, a model compiled already taken apart; see
-:mod:`stratagem.strategies.compiling`), optimizers pointed at the wrapped model's parameters and stepped through
+:mod:`stratagem.strategies.compiling`), Hugging Face weights read into it (``init_weights``, in
+:mod:`stratagem.engine._init_weights`), optimizers pointed at the wrapped model's parameters and stepped through
 the strategy, and the models set up (a step operation that names no model means the one set up)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from stratagem.engine._defaults import COMPILE_ENV
+from stratagem.engine._init_weights import wrap_and_load
 from stratagem.engine._strategy_optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer
 from stratagem.errors import ConfigurationError
 from stratagem.strategies.compiling import (
@@ -35,9 +37,11 @@ class ModelSetup:
         #: The regions the last set-up compiled ("" for a whole module); empty without compile.
         self.compiled_regions: list[str] = []
 
-    def setup(self, model: torch.nn.Module, optimizers: tuple[Any, ...], compile: Any) -> Any:
+    def setup(
+        self, model: torch.nn.Module, optimizers: tuple[Any, ...], compile: Any, init_weights: Any
+    ) -> Any:
         names = {id(p): _clean_name(n) for n, p in model.named_parameters()}
-        wrapped = self.setup_module(model, compile)
+        wrapped = self.setup_module(model, compile, init_weights)
         if not optimizers:
             return wrapped
         for optimizer in optimizers:
@@ -93,10 +97,16 @@ class ModelSetup:
             f"compile=False). Train it without compile=, or choose a strategy that compiles: {', '.join(able)}."
         )
 
-    def setup_module(self, model: torch.nn.Module, compile: Any) -> torch.nn.Module:
+    def setup_module(self, model: torch.nn.Module, compile: Any, init_weights: Any) -> torch.nn.Module:
+        """The model wrapped (with Hugging Face weights read into it, given ``init_weights``), and kept."""
+        self._runtime.setup_environment()
+        wrapped = wrap_and_load(self._runtime, model, init_weights, lambda: self._wrap(model, compile))
+        self.models.append(wrapped)
+        return wrapped
+
+    def _wrap(self, model: torch.nn.Module, compile: Any) -> torch.nn.Module:
         """``wrap_model`` with compile in the strategy's place: before the hook when its implementation does not
         take ``compiler``, inside it (the strategy calls it) when it does."""
-        self._runtime.setup_environment()
         options = self.resolve_compile(compile)
         model, where, found = unwrap_compiled(model)
         if where:
@@ -119,5 +129,4 @@ class ModelSetup:
             compiler(model)
             wrapped = hooks.wrap_model(model, compiler)
         self.compiled_regions = list(compiler.regions)
-        self.models.append(wrapped)
         return wrapped

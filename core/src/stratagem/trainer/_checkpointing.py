@@ -105,6 +105,9 @@ class CheckpointManager:
         if run.module.__dict__.get("_stratagem_hparams_saved"):
             # Module.save_hyperparameters(): what load_from_checkpoint builds the module from.
             state["hyperparameters"] = dict(run.module.hparams)
+        if "_stratagem_hf" in run.module.__dict__:
+            # Where init_weights came from and how names map: what `stratagem checkpoint export` reads.
+            state["hf"] = dict(run.module.__dict__["_stratagem_hf"])
         if "on_save_checkpoint" in self._events.implemented:
             state["callbacks"] = PerRank(self._events.collect_states(str(path)))
         preempted = self._preemption.record(run.position.step)
@@ -139,6 +142,21 @@ class CheckpointManager:
         on with the same samples."""
         replicas = self._engine.data_parallel_size
         return Consumption(self._run.batch_size, replicas, self._run.options.accumulate_grad_batches)
+
+    def start_from(self, ckpt_path: Any, init_weights: Any) -> tuple[Path | str | None, Any]:
+        """``(checkpoint to resume from, Hugging Face weights to load)`` for ``fit(ckpt_path=...)`` (or the
+        newest checkpoint, after a restart) and ``Trainer(init_weights=...)``: never both, the checkpoint
+        winning."""
+        self._engine.setup_environment()
+        resume_from = self.resolve(self._recovery.ckpt_path(ckpt_path))
+        if resume_from is None or init_weights is None:
+            return resume_from, init_weights
+        from stratagem.checkpoint._hf_load import FROM_CHECKPOINT
+
+        self._console.print(
+            f"init_weights is not read: resuming from {resume_from}, whose weights take precedence."
+        )
+        return resume_from, FROM_CHECKPOINT
 
     def resolve(self, ckpt_path: Any) -> Path | str | None:
         """The checkpoint ``ckpt_path`` means (``"last"``: the newest complete one under ``default_root_dir``;
@@ -203,6 +221,8 @@ class CheckpointManager:
         if message is not None:
             self._console.print(message)
         assert run.module is not None
+        if isinstance(rest.get("hf"), dict):  # the Hugging Face folder the run started from, for its exports
+            run.module.__dict__["_stratagem_hf"] = dict(rest["hf"])
         run.module.on_load_checkpoint(dict(rest.get("extras") or {}))
         if isinstance(rest.get("callbacks"), dict):
             self._events.restore_states(str(path), rest["callbacks"])

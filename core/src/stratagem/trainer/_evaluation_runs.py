@@ -101,7 +101,9 @@ class EvaluationRuns:
         self._check_ckpt(method, ckpt_path)
         if self._engine.needs_launch:
             self._setup.launch()
-        self._setup.setup(model, with_optimizers=False)
+        # Hugging Face weights (init_weights) only where no checkpoint is named to evaluate.
+        init_weights = None if ckpt_path else self._setup.init_weights
+        self._setup.setup(model, with_optimizers=False, init_weights=init_weights)
         path = self._ckpt(method, ckpt_path)
         if path is not None:
             assert self._run.model is not None

@@ -11,15 +11,13 @@ own ``compile=`` says otherwise."""
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import sys
 from typing import TYPE_CHECKING, Any
 
 from stratagem.errors import ConfigurationError
-from stratagem.launchers import _worker_start
 from stratagem.strategies.compiling import CompileOptions, recompiled_note, unwrap_compiled
 from stratagem.trainer import _fit_checks
+from stratagem.trainer._teardown import _register_teardown
 
 if TYPE_CHECKING:
     from stratagem.engine import Engine
@@ -40,6 +38,7 @@ class RunSetup:
         *,
         compile: CompileOptions | bool,
         compile_off: bool,
+        init_weights: Any,
         preemption: Preemption,
         console: Console,
         attach_to: object,
@@ -49,6 +48,8 @@ class RunSetup:
         #: The run's compile options (``False``: none), as ``Trainer(compile=...)`` resolved them.
         self.compile = compile
         self._compile_off = compile_off  # Trainer(compile=False): a compiled model is unwrapped, not compiled
+        #: ``Trainer(init_weights=...)`` as ``HFWeights`` (``None``: none), read where no checkpoint is.
+        self.init_weights = init_weights
 
     def launch(self) -> None:
         """Start the workers, which re-run the script; this process then exits with their status."""
@@ -72,9 +73,10 @@ class RunSetup:
         self._console.print(recompiled_note(where, self.compile or None))
         return plain
 
-    def setup(self, model: Module, *, with_optimizers: bool) -> None:
-        """The first time: the process group joined, the module attached and configured, wrapped (with its
-        optimizers for ``fit``). Later: the optimizers a ``fit`` after ``validate`` needs."""
+    def setup(self, model: Module, *, with_optimizers: bool, init_weights: Any = None) -> None:
+        """The first time: the process group joined, the module attached and configured (on the meta device
+        given ``init_weights``, which fill it), wrapped (with its optimizers for ``fit``). Later: the optimizers a
+        ``fit`` after ``validate`` needs."""
         engine, run, seed = self._engine, self._run, self._run.options.seed
         if run.module is not None and model is not run.module:
             raise ConfigurationError("This Trainer already trains another model; make one Trainer per model.")
@@ -87,22 +89,23 @@ class RunSetup:
             model.__dict__["_stratagem_trainer"] = self._attach_to
             run.module = model
             if not model.__dict__.get("_stratagem_configured", False):
-                with engine.init_module(empty_init=False):
+                with engine.init_module(empty_init=init_weights is not None):
                     model.configure_model()
                 model.__dict__["_stratagem_configured"] = True
         elif seed is not None and with_optimizers:
             engine.seed_everything(seed)
+        wrap = {"compile": self.compile, "init_weights": init_weights}
         if with_optimizers and not run.optimizers:
             optimizers, run.lr_schedulers = _fit_checks.configured_optimizers(model, engine.strategy)
             if first and optimizers:
-                run.model, *run.optimizers = engine.setup(model, *optimizers, compile=self.compile)
+                run.model, *run.optimizers = engine.setup(model, *optimizers, **wrap)
             else:
                 if first:  # no optimizer of the module's: the strategy's configuration defines it
-                    run.model = engine.setup_module(model, compile=self.compile)
+                    run.model = engine.setup_module(model, **wrap)
                 # Set up by validate() before: optimizers over the wrapped model's parameters.
                 run.optimizers = engine.setup_optimizers(run.model, *optimizers)
         elif first:
-            run.model = engine.setup_module(model, compile=self.compile)
+            run.model = engine.setup_module(model, **wrap)
 
     def prepare_loader(self, loader: Any) -> Any:
         options = self._run.options
@@ -111,33 +114,17 @@ class RunSetup:
         )
 
 
+def checked_init_weights(init_weights: Any) -> Any:
+    """``Trainer(init_weights=...)`` as ``HFWeights``; a local path that does not exist fails here, before
+    anything launches."""
+    from stratagem.checkpoint._hf_match import checked_request
+
+    return None if init_weights is None else checked_request(init_weights)
+
+
 def _outermost_plain(model: Any) -> Any:
     from torch._dynamo.eval_frame import OptimizedModule
 
     while isinstance(model, OptimizedModule):
         model = model._orig_mod
     return model
-
-
-_TEARDOWN_REGISTERED: set[int] = set()
-
-
-def _register_teardown(engine: Engine) -> None:
-    """Leave the process group when the script ends normally (the Trainer may be used after ``fit``).
-
-    Not after an uncaught exception: the barrier of the teardown would wait for peers that the launcher is
-    stopping anyway.
-    """
-    if id(engine) in _TEARDOWN_REGISTERED:
-        return
-    _TEARDOWN_REGISTERED.add(id(engine))
-    _worker_start.watch_uncaught()
-
-    def teardown() -> None:
-        if _worker_start.uncaught_exception():
-            return
-        # A peer that failed makes the barrier fail here too; the launcher reports that peer's error.
-        with contextlib.suppress(Exception):
-            engine.teardown()
-
-    atexit.register(teardown)

@@ -29,7 +29,7 @@ from stratagem.trainer._options import TrainerOptions
 from stratagem.trainer._preemption_stop import Preemption, PreemptionOptions
 from stratagem.trainer._progress import Console
 from stratagem.trainer._recovery import Recovery
-from stratagem.trainer._run_setup import RunSetup
+from stratagem.trainer._run_setup import RunSetup, checked_init_weights
 from stratagem.trainer._run_state import RunState, Shared
 from stratagem.trainer.module import Module
 
@@ -92,6 +92,10 @@ class Trainer:
         checkpointing, before data-parallel wrapping; each repeated block once by default). Checked here, before
         anything launches. See :meth:`stratagem.Engine.setup`. A ``torch.compile``'d model is unwrapped and compiled
         so, with the options torch.compile was given unless ``compile=`` is set (``False``: not compiled).
+    :param init_weights: Hugging Face weights to start from: a model folder, a ``.safetensors`` file or its index,
+        local or at a URL, or a :class:`~stratagem.checkpoint.hf.HFWeights` (adapter, strict). ``configure_model``
+        then builds on the meta device and each rank reads only its parts; a mismatch is refused before training;
+        a checkpoint ``fit`` resumes from takes precedence (docs/hugging-face.md).
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class Trainer:
         preemption_grace_s: float = 30.0,
         slurm_requeue: bool | None = None,
         compile: Any = None,
+        init_weights: Any = None,
     ) -> None:
         options = TrainerOptions(
             max_steps=max_steps,
@@ -170,6 +175,7 @@ class Trainer:
         # Checked before anything launches; the workers get the checked options (False: none, whatever the
         # environment says).
         compile_options = self.engine.resolve_compile(compile) or False
+        init_weights = checked_init_weights(init_weights)
         launcher_restarts = _restarts.max_restarts()
         if launcher_restarts and not max_restarts:
             # Restarts asked of the launcher (`stratagem run --max-restarts`, `torchrun --max-restarts`).
@@ -202,6 +208,7 @@ class Trainer:
             run,
             compile=compile_options,
             compile_off=compile is False,
+            init_weights=init_weights,
             preemption=preemption,
             console=console,
             attach_to=self,
@@ -302,31 +309,23 @@ class Trainer:
         checkpoint under ``default_root_dir``, or start fresh if there is none), or a checkpoint's path (given a
         run's ``checkpoints/last`` pointer, the checkpoint it names)."""
         engine, run, setup = self.engine, self._run, self._setup
-
-        # Asked only when configure_optimizers gives nothing: it creates the strategy in a launching process.
-        def strategy_optimizer() -> bool:
-            return _fit_checks.provides_optimizer(engine.strategy)
-
         model = setup.plain_module(model)
-        _fit_checks.check_model(model, for_fit=True, strategy_optimizer=strategy_optimizer)
         # In a process that only launches and was given a strategy's name, the strategy is checked if made
         # already: creating it here imports its plugin, which only delays the workers (they check again).
         made = not engine.needs_launch or engine._runtime.created is not None
-        _fit_checks.check_step(model, engine.strategy if made else None)
-        _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
-        if val_dataloaders is not None:
-            _fit_checks.check_loader(val_dataloaders, "val_dataloaders")
-        _fit_checks.check_ckpt_path(ckpt_path)
+        _fit_checks.check_fit(
+            engine, model, train_dataloaders, val_dataloaders, ckpt_path, strategy_made=made
+        )
         if engine.needs_launch:
-            _fit_checks.check_optimizers_before_launch(model, strategy_optimizer)
             setup.launch()
-        setup.setup(model, with_optimizers=True)
+        # A checkpoint to resume from wins over Hugging Face weights (init_weights), which are then not read.
+        resume_from, init_weights = self._checkpoints.start_from(ckpt_path, setup.init_weights)
+        setup.setup(model, with_optimizers=True, init_weights=init_weights)
         run.batch_size = loader_batch_size(train_dataloaders)
         if run.batch_size is not None:
             engine.check_batch_size(run.batch_size)
         train_loader = setup.prepare_loader(train_dataloaders)
         val_loader = None if val_dataloaders is None else setup.prepare_loader(val_dataloaders)
-        resume_from = self._checkpoints.resolve(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
             self._checkpoints.load_for_resume(resume_from, train_loader)
         report = self._recovery.resumed(run.position.step, self._preemption.resumed)
