@@ -78,7 +78,7 @@ class TrainingLoop:
             periodic = (
                 opts.checkpoint_every_n_steps is not None or opts.checkpoint_every_n_minutes is not None
             )
-            # A signal the last boundary's exchange carried stops the run here, saved like any other.
+            # A signal the ranks have not acted on yet stops the run here, saved like any other.
             preempted = self._preemption.settle()
             if (periodic or preempted) and self._last_saved_step != self.position.step:
                 self._save_periodic()
