@@ -1,6 +1,7 @@
 """What ``test_preemption.py``'s short-step test runs in its two workers: fits of short steps under ddp, counting
-the all-reduces they issue with torch's profiler, with the default preemption signals and without them; then one
-fit in which rank 1 alone catches SIGTERM. Returned from rank 0: plain numbers and the preemption record."""
+the all-reduces they issue with torch's profiler, with the default preemption signals and without them; then two
+fits in which rank 1 alone catches SIGTERM, during training and three steps before its end. Returned from rank 0:
+plain numbers and the preemption records."""
 
 from __future__ import annotations
 
@@ -51,14 +52,14 @@ def short_steps(engine: Any, root: str, steps: int, sleep_s: float, signal_at: i
             out[f"{name} seconds"] = time.perf_counter() - start
         averages = profiled.key_averages()
         out[f"{name} all-reduces"] = sum(e.count for e in averages if e.key == "c10d::allreduce_")
-    try:
-        _fit(Path(root, "preempted"), steps, sleep_s, signal_at=signal_at)
-    except sg.Preempted as preempted:
-        out["stopped at"] = preempted.step
-        saved = torch.load(preempted.checkpoint, weights_only=True)["state"]
-        out["record"] = saved["preempted"]
-        out["saved step"] = saved["progress"]["step"]
-    out["stopped at, every rank"] = [
-        int(t) for t in engine.all_gather(torch.tensor(out.get("stopped at", -1)))
-    ]
+    for name, at in (("", signal_at), (" late", steps - 3)):
+        try:
+            _fit(Path(root, f"preempted{name}"), steps, sleep_s, signal_at=at)
+        except sg.Preempted as preempted:
+            saved = torch.load(preempted.checkpoint, weights_only=True)["state"]
+            out[f"record{name}"] = {**saved["preempted"], "saved step": saved["progress"]["step"]}
+            stopped = preempted.step
+        else:
+            stopped = -1
+        out[f"stopped{name}, every rank"] = [int(t) for t in engine.all_gather(torch.tensor(stopped))]
     return out
