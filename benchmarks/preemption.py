@@ -30,6 +30,7 @@ the differences per round, with their spread (goal: at most +0.1 ms per step ove
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import re
@@ -41,6 +42,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from _common import table
@@ -159,29 +161,58 @@ def spread(values: list[float | None]) -> str:
 # the cost of being ready --------------------------------------------------------------------------------
 
 
-def ready_worker(engine, args: argparse.Namespace, root: str) -> dict[str, list[list[float]]]:
+def ready_worker(engine, args: argparse.Namespace, root: str) -> dict[str, list[tuple[float, float, float]]]:
     """In each of 2 workers: rounds of four loops on trainer_overhead.py's MLP and data, in the same processes,
     each loop first in turn: raw DDP; the Trainer with the default preemption signals ("armed"); the same with
     an exchange at every step boundary, as before the exchanges had an interval ("every boundary"); and with
-    ``preemption_signals=()`` ("off"). Rank 0 returns each loop's step times of each round."""
+    ``preemption_signals=()`` ("off"). Rank 0 returns, per loop and round, the median and the mean step, and
+    the median CPU time per step of the process (all its threads: what load on the machine changes least)."""
     import trainer_overhead as to
 
     shape = argparse.Namespace(width=args.width, depth=4, batch=96, steps=args.ready_steps)
     data = to.make_data(shape.width, shape.batch, shape.steps, engine.world_size)
     loops = {
-        "raw": lambda: to.raw_loop(shape, data),
-        "armed": lambda: to.stratagem_loop(shape, data, root),
-        "every boundary": lambda: _every_boundary(lambda: to.stratagem_loop(shape, data, root)),
-        "off": lambda: to.stratagem_loop(shape, data, root, preemption_signals=()),
+        "raw": lambda: (to.raw_loop(shape, data), [math.nan]),
+        "armed": lambda: _trainer_loop(shape, data, root),
+        "every boundary": lambda: _every_boundary(lambda: _trainer_loop(shape, data, root)),
+        "off": lambda: _trainer_loop(shape, data, root, preemption_signals=()),
     }
     names, rounds = list(loops), []
     for round_ in range(args.ready_rounds):
         segments = {}
         for name in names[round_ % 4 :] + names[: round_ % 4]:
             engine.barrier(name)
-            segments[name] = loops[name]()
+            wall, cpu = loops[name]()
+            segments[name] = (statistics.median(wall), statistics.fmean(wall), statistics.median(cpu))
         rounds.append(segments)
     return {name: [r[name] for r in rounds] for name in names}
+
+
+def _trainer_loop(shape: argparse.Namespace, data: Any, root: str, **options: Any) -> tuple[list, list]:
+    """trainer_overhead.py's Trainer loop (defaults: the csv logger, the progress bar), timed by wall clock and
+    by the process's CPU time."""
+    import trainer_overhead as to
+    from torch.utils.data import DataLoader
+
+    import stratagem as sg
+
+    class Net(to.Net):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.cpu.append(time.process_time())
+            return super().training_step(batch, batch_idx)
+
+    module = Net(shape)
+    module.cpu = []
+    trainer = sg.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_steps=shape.steps + 1,
+        default_root_dir=root,
+        **options,
+    )
+    trainer.fit(module, DataLoader(data, batch_size=shape.batch))
+    return to.step_times(module.stamps), to.step_times(module.cpu)
 
 
 def _every_boundary(run):
@@ -200,29 +231,27 @@ def ready(args: argparse.Namespace) -> None:
 
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="sg-preempt-ready-") as root:
-        times = sg.Engine(strategy="ddp", accelerator="cpu", devices=2).launch(ready_worker, args, root)
+        stats = sg.Engine(strategy="ddp", accelerator="cpu", devices=2).launch(ready_worker, args, root)
     print(
         f"\nthe cost of being ready: 2-process ddp, MLP 4x{args.width}, batch 96 per rank, {args.ready_rounds} "
         f"rounds of {args.ready_steps} steps per loop (the first 5 dropped), each loop first in turn; load "
         f"{load:.2f} -> {os.getloadavg()[0]:.2f}"
     )
-    per_round = {  # the median and the mean step of each round, per loop
-        name: [(statistics.median(r), statistics.fmean(r)) for r in rounds] for name, rounds in times.items()
-    }
     rows = []
-    for name, stats in per_round.items():
-        median, mean = (statistics.median(s[i] for s in stats) for i in (0, 1))
-        over = _added(stats, per_round["raw"], 0)[0] if name != "raw" else ""
-        rows.append([name, f"{median * 1e3:.3f} ms", f"{mean * 1e3:.3f} ms", over])
-    print(table(rows, ["loop", "median step", "mean step", "median over raw (median of rounds)"]))
+    for name, rounds in stats.items():
+        medians = [f"{statistics.median(r[i] for r in rounds) * 1e3:.3f} ms" for i in (0, 1, 2)]
+        over = _added(rounds, stats["raw"], 0)[0] if name != "raw" else ""
+        rows.append([name, *medians[:2], medians[2] if name != "raw" else "", over])
+    header = ["loop", "median step", "mean step", "CPU time per step", "median step over raw"]
+    print(table(rows, header))
     for name in ("armed", "every boundary"):
-        for i, what in enumerate(("median", "mean")):
-            added, spread_ = _added(per_round[name], per_round["off"], i)
-            print(f"{name} - off, {what} step: {added} ({spread_})")
+        for i, what in enumerate(("median step", "mean step", "CPU time per step")):
+            added, spread_ = _added(stats[name], stats["off"], i)
+            print(f"{name} - off, {what}: {added} ({spread_})")
     print("goal: armed - off at most +0.1 ms per step")
 
 
-def _added(these: list[tuple[float, float]], base: list[tuple[float, float]], i: int) -> tuple[str, str]:
+def _added(these: list[tuple[float, ...]], base: list[tuple[float, ...]], i: int) -> tuple[str, str]:
     """The per-round differences of statistic ``i``: their median, and their quartiles and values, in ms."""
     added = [(a[i] - b[i]) * 1e3 for a, b in zip(these, base)]
     q1, _, q3 = statistics.quantiles(added, n=4) if len(added) > 1 else [added[0]] * 3

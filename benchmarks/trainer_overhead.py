@@ -144,7 +144,7 @@ def timed_events(trainer: sg.Trainer, callbacks: int) -> None:
 
 
 def stratagem_loop(
-    args: argparse.Namespace, data: TensorDataset, root: str, callbacks: int = 0, **options: Any
+    args: argparse.Namespace, data: TensorDataset, root: str, callbacks: int = 0
 ) -> list[float]:
     module = Net(args)
     trainer = sg.Trainer(
@@ -154,7 +154,6 @@ def stratagem_loop(
         max_steps=args.steps + 1,
         default_root_dir=root,
         callbacks=[NoOp() for _ in range(callbacks)],
-        **options,
     )
     timed_events(trainer, callbacks)
     trainer.fit(module, DataLoader(data, batch_size=args.batch))
