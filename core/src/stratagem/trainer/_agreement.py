@@ -52,13 +52,11 @@ def interval(step_s: float, budget_s: float) -> int:
 class Agreement:
     """One ``fit``'s exchanges between the ranks; built by every rank at the same point (a collective)."""
 
-    def __init__(self, engine: Engine, budget_s: float | None = None) -> None:
+    def __init__(self, engine: Engine) -> None:
         import torch.distributed as dist
 
         self.engine = engine
-        self.budget_s = BUDGET_S if budget_s is None else budget_s
-        #: Exchanges started so far (the benchmark and the tests count them).
-        self.exchanges = 0
+        self.budget_s = BUDGET_S  # read here, so that a benchmark can set another for the fits it times
         self._group: Any = None
         if dist.is_available() and dist.is_initialized():
             # new_group is collective over the default group: every rank forms it here, in the same order as
@@ -67,10 +65,9 @@ class Agreement:
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._boundary = 0
         self._due = 1  # the boundary that starts the next exchange
-        self._last = (
-            0,
-            time.perf_counter(),
-        )  # the boundary and time of the last start (at first: fit's start)
+        # The boundary and time of the last exchange's start; before the first, fit's start: the first step
+        # time then includes the set-up, which makes the first interval shorter (the safe direction).
+        self._last = (0, time.perf_counter())
 
     def exchange(self, local: tuple[float, float, float]) -> Reduced | None:
         """At a boundary: what the exchange the previous boundary started reduced to (``None`` when it started
@@ -118,7 +115,6 @@ class Agreement:
         return signalled, earliest_negated_time, signal_number, step_s
 
     def _start(self, values: tuple[float, float, float, float]) -> None:
-        self.exchanges += 1
         if self._group is None:
             flag = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
             self._pending = (None, self.engine.all_reduce(flag, "max"))
