@@ -93,6 +93,32 @@ def test_what_cannot_be_restored_or_told_keeps_the_scripts_settings_and_says_so(
     ) and "1 per-process batch(es) of this epoch are seen again" in message
 
 
+def test_a_loader_that_begins_at_any_sample_goes_on_at_the_next_one() -> None:
+    # 2 -> 1 with batches of 3: 40 samples consumed are 13 batches and 1 sample; the epoch goes on at sample 40.
+    position = Position(step=5, epoch=0, batch_in_epoch=5)
+    accumulate, message = continue_with(
+        position, _saved(4, 2, 1), Consumption(3, 1, 1), starts_at_sample=True
+    )
+    assert (accumulate, position.batch_in_epoch, position.samples_in_epoch) == (1, 13, 40)
+    assert "this epoch goes on at its sample 40, 1 sample(s) into a batch of 3 of this run" in message
+    assert "seen again" not in message
+    # The samples the checkpoint recorded count, not its batches (its last batch may have been short).
+    position = Position(step=5, epoch=0, batch_in_epoch=5, samples_in_epoch=38)
+    continue_with(position, _saved(4, 2, 1), Consumption(4, 1, 1), starts_at_sample=True)
+    assert (position.batch_in_epoch, position.samples_in_epoch) == (9, 38)
+    # Whole batches of the new run: nothing to say about the position.
+    position = Position(step=5, epoch=0, batch_in_epoch=5, samples_in_epoch=40)
+    accumulate, message = continue_with(
+        position, _saved(4, 2, 1), Consumption(4, 1, 1), starts_at_sample=True
+    )
+    assert (accumulate, position.batch_in_epoch) == (2, 10) and "sample 40" not in message
+    # A loader of the user's own sampler goes on at whole batches of its own: the samples are not counted.
+    position = Position(step=5, epoch=0, batch_in_epoch=5, samples_in_epoch=40)
+    _, message = continue_with(position, _saved(4, 2, 1), Consumption(3, 1, 1))
+    assert (position.batch_in_epoch, position.samples_in_epoch) == (13, None) and "1 sample(s)" in message
+    assert "seen again" in message
+
+
 def test_keep_global_batch_false_keeps_the_scripts_accumulation() -> None:
     accumulate, message, position = _decide(_saved(4, 2, 1), Consumption(4, 1, 1), 5, keep_global_batch=False)
     assert (accumulate, position) == (1, 10)

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 import stratagem as sg
 from stratagem import hookimpl
 from stratagem.engine import STRATEGY_ENV
+from stratagem.engine.sampler import EpochSampler
 from stratagem.errors import ConfigurationError, UnknownStrategyError
 
 WORKLOADS = Path(__file__).parent / "workloads"
@@ -31,6 +32,27 @@ def test_auto_takes_the_strategy_stratagem_run_names(monkeypatch) -> None:
         sg.Engine(accelerator="cpu")
     # A strategy named in the script wins over the command line's.
     assert sg.Engine(strategy="single_device", accelerator="cpu").strategy.name == "single_device"
+
+
+def test_a_strategy_name_takes_options_in_brackets(monkeypatch) -> None:
+    """As ``stratagem compare`` and the contract suite take them: ``Trainer(strategy="fsdp_tp[tp_size=2]")``,
+    ``stratagem demo --strategy ...`` and ``stratagem run --strategy ...`` (through the environment)."""
+    pytest.importorskip("stratagem_ddp")
+    monkeypatch.delenv(STRATEGY_ENV, raising=False)
+    engine = sg.Engine(
+        strategy="ddp[static_graph=true,gradient_as_bucket_view=true]", accelerator="cpu", devices=2
+    )
+    assert engine.needs_launch and engine.strategy_name == "ddp"
+    assert (
+        engine.strategy.config.static_graph is True and engine.strategy.config.gradient_as_bucket_view is True
+    )
+    monkeypatch.setenv(STRATEGY_ENV, "ddp_find_unused_parameters_true[static_graph=true]")
+    config = sg.Engine(accelerator="cpu", devices=2).strategy.config
+    assert config.static_graph is True and config.find_unused_parameters is True  # the name's own, kept
+    with pytest.raises(UnknownStrategyError, match=r"Unknown strategy 'ddq'\. Did you mean 'ddp'"):
+        sg.Engine(strategy="ddq[static_graph=true]", accelerator="cpu", devices=2)
+    with pytest.raises(ConfigurationError, match=r"cannot read 'ddp\[static_graph=true'"):
+        sg.Engine(strategy="ddp[static_graph=true", accelerator="cpu", devices=2)
 
 
 def test_an_unlaunched_multi_process_engine_says_how_to_launch() -> None:
@@ -50,7 +72,8 @@ def test_single_process_loop_save_and_load(tmp_path: Path) -> None:
         module.configure_model()
     model, optimizer = engine.setup(module, module.configure_optimizers())
     loader = engine.setup_dataloaders(DataLoader(wl.dataset(), batch_size=8))
-    assert not isinstance(loader.sampler, DistributedSampler)  # one process: the loader is left alone
+    # One process: one share, the whole data set in its order (the epoch's order at any world size).
+    assert isinstance(loader.sampler, EpochSampler) and list(loader.sampler) == list(range(96))
     for x, y in loader:
         with engine.forward_context():
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -82,7 +105,7 @@ def test_launch_runs_the_function_in_every_process(temp_dir) -> None:
     assert (out["sum"], out["mean"], out["max"]) == (3.0, 1.5, 2.0)
     assert out["gather"] == [[0, 1], [0, 1, 2]]
     assert out["broadcast"] == {"from": 1}
-    assert out["sampler"] == "DistributedSampler"
+    assert out["sampler"] == "EpochSampler"
     assert out["indices"] == list(range(0, 96, 2))  # rank 0's half, in order (no shuffle asked)
     for accumulate in (1, 2):
         expected = wl.reference_loop(accumulate, batch=8, steps=5)

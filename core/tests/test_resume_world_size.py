@@ -3,6 +3,9 @@ their batch: (a) the per-process batch fixed, the script unchanged (the Trainer 
 keep the samples per step), and (b) the per-process batch = global batch // devices (nothing to change). From 2
 processes (fsdp, sharded checkpoints) to 1 (single_device) and from 1 (full checkpoints) to 2, on a local disk
 and on S3 (a real S3 API server, moto). Each backend's runs share three launches (workloads/resume_plan.py).
+
+The same launches resume a shuffled loader of 64 indices from 2 processes to 1 and from 1 to 2, mid-epoch, at a
+whole batch of the new run and inside one: each index is trained on exactly once in that epoch.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -99,6 +103,21 @@ def test_resumed_at_another_world_size_ends_as_the_uninterrupted_run(s3: S3Serve
         dict(spec("s3", "pointer", "single_device", 8, 1, ckpt_path=at("s3", "one-8x1", last=True)), steps=17)
     ]
 
+    # Shuffled, 64 indices (8 samples per step: 8 steps an epoch). 1 -> 2 from 20 samples (batches of 4 on 1
+    # process): on 2 processes with batches of 8, 4 samples into a batch of 16; with batches of 2, at a whole one.
+    # 2 -> 1 from 24 samples (batches of 4 on 2 processes): with batches of 10, 4 samples into one; with 4, at one.
+    def shuffled(name: str, batch: int, steps: int, **more: Any) -> dict:
+        return dict(spec("local", name, "single_device", batch, 1, **more), steps=steps, indexed=True)
+
+    one += [shuffled("s-one", 4, 5, ckpt_every=5)]
+    two += [dict(shuffled("s-two", 4, 3, ckpt_every=3, format="sharded"), strategy="fsdp")]
+    # Each runs to its epoch's last batch: 44 samples in 22 a process, 3 batches of 8 or 11 of 2.
+    two += [dict(shuffled("s-1to2", 8, 8, ckpt_path=at("local", "s-one")), strategy="fsdp")]
+    two += [dict(shuffled("s-1to2-whole", 2, 16, ckpt_path=at("local", "s-one")), strategy="fsdp")]
+    # 40 samples: 4 batches of 10; or 10 batches of 4, 2 a step (the samples per step kept).
+    s_two = f"{roots['local']}/s-two/checkpoints/step-{3:06d}"
+    back += [shuffled("s-2to1", 10, 7, ckpt_path=s_two), shuffled("s-2to1-whole", 4, 8, ckpt_path=s_two)]
+
     out_one = _execute(tmp_path, "one", 1, one)
     out_two = _execute(tmp_path, "two", 2, two)
     out_back = _execute(tmp_path, "back", 1, back)
@@ -123,7 +142,7 @@ def test_resumed_at_another_world_size_ends_as_the_uninterrupted_run(s3: S3Serve
     assert "accumulate_grad_batches 1 -> 2" in out_back
     assert "per-process batch changed from 4 to 8: 8 samples per optimizer step as before" in out_back
     assert "per-process batch changed from 8 to 4: 8 samples per optimizer step as before" in out_two
-    assert out_one.count("Resumed from") == 0 and out_two.count("Resumed from") == 4
+    assert out_one.count("Resumed from") == 0 and out_two.count("Resumed from") == 6
 
     # The tolerance tells runs apart: the doubled global batch, and the state at the checkpoint, are far off.
     two_ranks = result("local", "two")["params"]
@@ -139,3 +158,30 @@ def test_resumed_at_another_world_size_ends_as_the_uninterrupted_run(s3: S3Serve
     assert f"is the `last` pointer of {directory}, not a checkpoint" in out_back, out_back
     assert f"Resumed from {directory}/step-000015.ckpt at step 15" in out_back
     assert pointer["step"] == 17 and len(pointer["losses"]) == 2
+
+    _each_index_once(result, out_two, out_back)
+
+
+def _each_index_once(result: Any, out_two: str, out_back: str) -> None:
+    """The shuffled runs: one order for the epoch, drawn from the seed, whatever the world size."""
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(7)).tolist()
+
+    def seen(name: str) -> list[list[int]]:
+        return result("local", name)["seen"]
+
+    assert seen("s-one") == [order[:20]]
+    assert seen("s-two") == [order[0:24:2], order[1:24:2]]
+    for name in ("s-1to2", "s-1to2-whole"):
+        # The ranks are dealt the rest of the epoch in turn, from sample 20 on.
+        assert seen(name) == [order[20::2], order[21::2]], name
+        assert Counter(seen("s-one")[0] + seen(name)[0] + seen(name)[1]) == Counter(range(64)), name
+    for name in ("s-2to1", "s-2to1-whole"):
+        assert seen(name) == [order[24:]], name
+        assert Counter(seen("s-two")[0] + seen("s-two")[1] + seen(name)[0]) == Counter(range(64)), name
+    assert result("local", "s-2to1-whole")["accumulate"] == 2
+    assert (
+        "this epoch goes on at its sample 20, 4 sample(s) into a batch of 16 of this run: its batches begin there"
+        in out_two
+    )
+    assert "this epoch goes on at its sample 24, 4 sample(s) into a batch of 10 of this run" in out_back
+    assert "seen again" not in out_two + out_back

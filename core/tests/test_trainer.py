@@ -145,7 +145,7 @@ def test_epochs_schedulers_validation_csv_and_checkpoints(tmp_path: Path, capsys
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000010.ckpt", "step-000012.ckpt"]
     assert (checkpoints / "last").read_text().strip() == "step-000012.ckpt"
     saved = torch.load(checkpoints / "step-000012.ckpt", weights_only=True)
-    assert saved["state"]["progress"] == {"step": 12, "epoch": 2, "batch_in_epoch": 0}
+    assert saved["state"]["progress"] == {"step": 12, "epoch": 2, "batch_in_epoch": 0, "samples_in_epoch": 0}
     assert saved["state"]["extras"] == {"extra_counter": 12}
     assert "lr_scheduler_0" in saved["state"]
     # validate() afterwards reuses the set-up model.

@@ -3,9 +3,10 @@ for all of them): ``python resume_plan.py PLAN.json``.
 
 The plan: ``{"devices": N, "runs": [{...}, ...]}``; each run gives ``strategy``, ``batch`` (per process),
 ``accumulate``, ``steps``, ``root`` (a local folder or an s3:// URL) and ``out`` (rank 0 writes the result
-there), and optionally ``ckpt_every``, ``format``, ``ckpt_path`` and ``keep_global_batch``. The data are
-taken in order (no shuffle), so runs at different world sizes see the same samples in the same order (the
-distributed sampler deals them out in turn).
+there), and optionally ``ckpt_every``, ``format``, ``ckpt_path``, ``keep_global_batch`` and ``indexed``. The
+data are taken in order, so runs at different world sizes see the same samples in the same order (the sampler
+deals them out in turn). An ``indexed`` run shuffles 64 samples that carry their index instead, and its result
+holds the indices each rank trained on (``seen``, one list per rank).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sg_workloads import Regression, dataset, snapshot
+from sg_workloads import Indexed, Regression, dataset, indexed_dataset, snapshot
 from torch.utils.data import DataLoader
 
 import stratagem as sg
@@ -42,11 +43,17 @@ def run(devices: int, spec: dict[str, Any]) -> None:
         timeout=60,
         **options,
     )
-    module = Regression()
-    loader = DataLoader(dataset(), batch_size=spec["batch"])
+    indexed = spec.get("indexed", False)
+    module = Indexed() if indexed else Regression()
+    loader = DataLoader(
+        indexed_dataset() if indexed else dataset(), batch_size=spec["batch"], shuffle=indexed
+    )
     trainer.fit(module, loader, ckpt_path=spec.get("ckpt_path"))
     result = snapshot(trainer, module)
     result["accumulate"] = trainer.options.accumulate_grad_batches
+    if indexed:
+        seen = trainer.engine.all_gather(torch.tensor(module.seen, dtype=torch.long))
+        result["seen"] = [share.tolist() for share in seen]
     if trainer.engine.rank == 0:
         torch.save(result, spec["out"])
 

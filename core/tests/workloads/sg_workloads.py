@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -127,6 +128,40 @@ class Regression(sg.Module):
         self.extra_counter = extras["extra_counter"]
 
 
+class Indexed(Regression):
+    """A Regression whose batches also carry each sample's index in the data set (``indexed_dataset``): it
+    notes the indices it trained on, in order."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.seen: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, index = batch
+        self.seen += index.tolist()
+        return super().training_step((x, y), batch_idx)
+
+
+def indexed_dataset(n: int = 64) -> TensorDataset:
+    x, y = dataset(n).tensors
+    return TensorDataset(x, y, torch.arange(n))
+
+
+class NoisyIndices(torch.utils.data.Dataset):
+    """``indexed_dataset``'s samples, each index plus a draw from the loading process's torch RNG: what a random
+    augmentation draws, in a worker process when the loader has some."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.data = indexed_dataset(n)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        x, y, index = self.data[i]
+        return x, y, index + torch.rand(())
+
+
 def reference_loop(
     accumulate: int, batch: int, steps: int, clip: float | None = None
 ) -> dict[str, torch.Tensor]:
@@ -147,6 +182,12 @@ def reference_loop(
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def _local_shards(state: dict[str, Any]) -> dict[str, Any]:
+    by_param = state["state"].items()
+    local = {k: {n: v.to_local() if hasattr(v, "to_local") else v for n, v in s.items()} for k, s in by_param}
+    return {**state, "state": local}
+
+
 def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
     """What the tests compare, gathered to plain tensors."""
     assert trainer.model is not None
@@ -157,7 +198,9 @@ def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in module.state_dict().items()
         },
-        "optimizer": optimizer.state_dict(),
+        # FSDP's optimizer state (DTensors) as each rank's own shards: a DTensor in the file would unpickle its
+        # DeviceMesh where the file is read, in a process without the run's process groups, and torch warns then.
+        "optimizer": _local_shards(optimizer.state_dict()),
         "losses": list(module.losses),
         "step": trainer.global_step,
         "epoch": trainer.current_epoch,
@@ -295,6 +338,7 @@ def main(argv: list[str]) -> None:
         result["rank"] = trainer.engine.rank
         result["strategy"] = trainer.strategy.name
         result["node_id"] = _ray_node_id()
+        result["host"] = socket.gethostname()  # where this rank ran (a host of the tests across hosts)
         results.append(result)
     # The engine's rank: under srun only SLURM_PROCID says it.
     rank = results[-1]["rank"] if results else int(os.environ.get("RANK", "0"))

@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from stratagem.contract import _model as m
+from stratagem.contract import _suite_model as m
 
 #: The live training objects, kept from one section of a phase to the next.
 _live: dict[str, Any] = {}
 
 
 def _clean_name(name: str) -> str:
-    from stratagem.engine._optimizer import _clean_name as clean
+    from stratagem.engine._strategy_optimizer import _clean_name as clean
 
     return clean(name)
 

@@ -1,4 +1,4 @@
-"""Giving data loaders a distributed sampler, and resuming them mid-epoch."""
+"""Giving data loaders the epoch's order and this rank's share of it, and resuming them mid-epoch."""
 
 from __future__ import annotations
 
@@ -7,27 +7,42 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
+from stratagem.engine.sampler import EpochSampler
+
 
 def distribute_loader(loader: Any, sampler_kwargs: dict[str, int], *, seed: int = 0) -> Any:
-    """A copy of ``loader`` whose sampler splits the data across ranks, or ``loader`` if it needs none.
+    """A copy of ``loader`` whose sampler is an :class:`EpochSampler` over this rank's share, or ``loader`` where
+    the user has decided how to sample.
 
-    A loader with a sampler of the user's own (or a batch sampler) is left alone: the user has decided.
+    A loader that takes its data set in order or shuffled gets one at every world size, one process included:
+    the epoch's order then depends on ``seed`` and the epoch alone, so a run resumed at another world size
+    goes on with the same order. A sampler or batch sampler of the user's own is left alone, and so is a
+    ``RandomSampler`` that draws with replacement or another number of samples than the data set holds,
+    where one process needs no split (with several, it is replaced as before: ranks drawing on their own
+    would draw the same samples).
     """
-    if not isinstance(loader, DataLoader) or sampler_kwargs.get("num_replicas", 1) <= 1:
+    if not isinstance(loader, DataLoader):
         return loader
-    sampler = loader.sampler
+    sampler, replicas = loader.sampler, sampler_kwargs.get("num_replicas", 1)
     if isinstance(sampler, DistributedSampler) or not isinstance(sampler, (RandomSampler, SequentialSampler)):
         return loader
-    if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
+    if loader.batch_size is None and loader.batch_sampler is not None:  # a batch sampler of the user's own
         return loader
-    distributed = DistributedSampler(
-        loader.dataset,
+    if replicas <= 1 and isinstance(sampler, RandomSampler) and not _a_permutation(sampler):
+        return loader
+    distributed = EpochSampler(
+        loader.dataset,  # type: ignore[arg-type]
         shuffle=isinstance(sampler, RandomSampler),
         seed=seed,
         drop_last=loader.drop_last,
-        **sampler_kwargs,
+        num_replicas=replicas,
+        rank=sampler_kwargs.get("rank", 0),
     )
     return rebuild_loader(loader, sampler=distributed)
+
+
+def _a_permutation(sampler: RandomSampler) -> bool:
+    return not sampler.replacement and sampler.num_samples == len(sampler.data_source)
 
 
 def rebuild_loader(loader: DataLoader, sampler: Sampler) -> DataLoader:

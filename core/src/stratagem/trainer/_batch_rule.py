@@ -5,8 +5,10 @@ A checkpoint records what its run consumed per optimizer step (:class:`Consumpti
 compared with it. The optimizer's settings (learning rate, warm-up, schedule) were chosen for that many samples
 per step, so the accumulation changes when that restores them; the user's settings stay where it cannot tell or
 cannot restore them, and under ``Trainer(keep_global_batch=False)``. The position in the epoch follows samples:
-the distributed sampler deals an epoch's order out to the ranks in turn, so the samples a run has seen are the
-first ``batch_in_epoch x batch_size x world_size`` of that order, whoever saw them.
+the :class:`~stratagem.engine.sampler.EpochSampler` deals one order per epoch out to the ranks in turn, so the
+samples a run has seen are the first ``samples_in_epoch`` of that order, whoever saw them, and the resumed run's
+sampler begins at the next one. A checkpoint that does not record them (written before they were, or by a run
+whose loader had a sampler of the user's own) counts ``batch_in_epoch x batch_size x world_size``.
 """
 
 from __future__ import annotations
@@ -57,23 +59,30 @@ class Consumption:
 
 
 def continue_with(
-    position: Position, saved: Any, run: Consumption, *, keep_global_batch: bool = True
+    position: Position,
+    saved: Any,
+    run: Consumption,
+    *,
+    keep_global_batch: bool = True,
+    starts_at_sample: bool = False,
 ) -> tuple[int, str | None]:
     """Decide how the resumed run goes on; move ``position`` to the same samples of the epoch.
 
-    ``saved``: the checkpoint's ``topology`` record (None when it has none). Returns the
-    ``accumulate_grad_batches`` to train with and the one line to report (None when nothing changed).
+    ``saved``: the checkpoint's ``topology`` record (None when it has none). ``starts_at_sample``: the run's
+    train loader can begin the epoch at any sample (its sampler is an ``EpochSampler``); else it goes on at
+    whole batches of its own. Returns the ``accumulate_grad_batches`` to train with and the one line to report
+    (None when nothing changed).
     """
     if not isinstance(saved, Mapping) or "world_size" not in saved:
         return run.accumulate, None
     world_size, accumulate = int(saved["world_size"]), int(saved.get("accumulate_grad_batches", 1))
     if "batch_size" not in saved:
-        return _without_batch_size(position, world_size, accumulate, run, keep_global_batch)
+        return _without_batch_size(position, world_size, accumulate, run, keep_global_batch, starts_at_sample)
     size = saved["batch_size"]
     before = Consumption(None if size is None else int(size), world_size, accumulate)
     if (before.batch_size, before.world_size) == (run.batch_size, run.world_size):
         return run.accumulate, _same_processes(before, run)
-    again = _follow_samples(position, before, run)
+    again = _follow_samples(position, before, run, starts_at_sample)
     accumulate, decision = _decide(before, run, keep_global_batch)
     return accumulate, f"stratagem: {_what_changed(before, run)}: {decision}{again}."
 
@@ -128,7 +137,12 @@ def _same_processes(before: Consumption, run: Consumption) -> str | None:
 
 
 def _without_batch_size(
-    position: Position, world_size: int, accumulate: int, run: Consumption, keep_global_batch: bool
+    position: Position,
+    world_size: int,
+    accumulate: int,
+    run: Consumption,
+    keep_global_batch: bool,
+    starts_at_sample: bool,
 ) -> tuple[int, str | None]:
     """A checkpoint written before the per-process batch was recorded."""
     if world_size == run.world_size:
@@ -137,7 +151,7 @@ def _without_batch_size(
         return continue_at_world_size(
             position, saved_world_size=world_size, saved_accumulate=accumulate, world_size=run.world_size
         )
-    again = _follow_samples(position, Consumption(None, world_size, accumulate), run)
+    again = _follow_samples(position, Consumption(None, world_size, accumulate), run, starts_at_sample)
     return run.accumulate, (
         f"stratagem: world size changed from {world_size} to {run.world_size}: keep_global_batch=False, so "
         f"accumulate_grad_batches={run.accumulate} is kept{again}."
@@ -154,17 +168,31 @@ def _what_changed(before: Consumption, run: Consumption) -> str:
     return ", ".join(parts)
 
 
-def _follow_samples(position: Position, before: Consumption, run: Consumption) -> str:
-    """Move the position in the epoch to the samples consumed so far, in the new run's batches; say how many
-    are seen again when they do not fill whole batches of the new run."""
-    if before.batch_size is not None and run.batch_size is not None:
+def _follow_samples(position: Position, before: Consumption, run: Consumption, starts_at_sample: bool) -> str:
+    """Move the position in the epoch to the samples consumed so far, in the new run's batches. A loader that
+    begins at any sample goes on at the next one, its batches shifted from an uninterrupted run's; else the
+    position rounds down to whole batches of the new run, and the line says how many samples are seen again."""
+    consumed = position.samples_in_epoch
+    if consumed is None and before.batch_size is not None:
         consumed = position.batch_in_epoch * before.batch_size * before.world_size
+    if starts_at_sample and consumed is not None:
+        position.samples_in_epoch = consumed
+        # A loader without a batch_size yields its samples one by one: one sample per batch.
+        per_batch = (run.batch_size or 1) * run.world_size
+        position.batch_in_epoch, into = divmod(consumed, per_batch)
+        if not into:
+            return ""
+        return (
+            f"; this epoch goes on at its sample {consumed}, {into} sample(s) into a batch of {per_batch} of this "
+            "run: its batches begin there"
+        )
+    position.samples_in_epoch = None
+    if consumed is not None and run.batch_size is not None:
         per_batch, unit = run.batch_size * run.world_size, "sample(s)"
     else:  # no sizes to count samples with: count per-process batches, as if all were the same size
         consumed = position.batch_in_epoch * before.world_size
         per_batch, unit = run.world_size, "per-process batch(es)"
-    position.batch_in_epoch = consumed // per_batch
-    again = consumed - position.batch_in_epoch * per_batch
+    position.batch_in_epoch, again = divmod(consumed, per_batch)
     return f"; {again} {unit} of this epoch are seen again" if again else ""
 
 

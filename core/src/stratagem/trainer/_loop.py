@@ -9,19 +9,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stratagem.trainer import _events as _callbacks
+from stratagem.trainer import _callbacks_and_loggers
 from stratagem.trainer._model_calls import batch_for, loss_of
 from stratagem.trainer._progress import ProgressBar
-from stratagem.trainer._resume import Position, start_epoch
+from stratagem.trainer._resume import Epoch, Position, loader_length, start_epoch
 from stratagem.trainer.module import step_functions
 
 if TYPE_CHECKING:
     from stratagem.engine import Engine
-    from stratagem.registry._events import TrainerEventHooks
+    from stratagem.registry._event_hooks import TrainerEventHooks
+    from stratagem.trainer._configured_optimizers import Scheduler
     from stratagem.trainer._metrics import MetricStore
-    from stratagem.trainer._optimizers import Scheduler
     from stratagem.trainer._options import TrainerOptions
-    from stratagem.trainer._preemption import Preemption
+    from stratagem.trainer._preemption_stop import Preemption
     from stratagem.trainer._recovery import Recovery
 
 
@@ -42,6 +42,7 @@ class TrainingLoop:
     _train_metrics: MetricStore
     _bar: ProgressBar | None
     _epoch_rng: dict[str, Any] | None
+    _epoch: Epoch | None = None  # the epoch under way
     _resume: dict[str, Any] | None
     _last_saved_step: int | None
     _logging: bool
@@ -52,7 +53,7 @@ class TrainingLoop:
         opts = self.options
         max_epochs = opts.max_epochs if (opts.max_epochs or opts.max_steps) else 1
         accumulate = opts.accumulate_grad_batches
-        length = _length(loader)
+        length = loader_length(loader)
         steps_per_epoch = None if length is None else math.ceil(length / accumulate)
         total = opts.max_steps
         if max_epochs is not None and steps_per_epoch is not None:
@@ -70,9 +71,11 @@ class TrainingLoop:
         try:
             events.call("on_fit_start", trainer=self)
             if self.engine.is_global_zero:
-                events.call("log_hyperparams", trainer=self, params=_callbacks.hyperparameters(self))
+                events.call(
+                    "log_hyperparams", trainer=self, params=_callbacks_and_loggers.hyperparameters(self)
+                )
             self._logging = True
-            self._epochs(loader, val_loader, max_epochs, length)
+            self._epochs(loader, val_loader, max_epochs)
             if self._train_metrics:
                 self._log_train_metrics()
             periodic = (
@@ -118,23 +121,24 @@ class TrainingLoop:
             return True
         return max_epochs is not None and self.position.epoch >= max_epochs
 
-    def _epochs(self, loader: Any, val_loader: Any, max_epochs: int | None, length: int | None) -> None:
+    def _epochs(self, loader: Any, val_loader: Any, max_epochs: int | None) -> None:
         position = self.position
         while not self._done(max_epochs):
-            iterator = self._start_epoch(loader)
+            epoch = self._start_epoch(loader)
             self._events.call("on_train_epoch_start", trainer=self, epoch=position.epoch)
-            for batch in iterator:
-                last_of_epoch = length is not None and position.batch_in_epoch + 1 == length
+            for batch in epoch.batches:
+                # A resumed epoch may end sooner than a whole one: its batches began at the checkpoint's sample.
+                last_of_epoch = epoch.end is not None and position.batch_in_epoch + 1 == epoch.end
                 if self._train_batch(batch, last_of_epoch, val_loader):
                     return
             self._end_epoch(val_loader)
             if self._stop_agreed():
                 return
 
-    def _start_epoch(self, loader: Any) -> Any:
+    def _start_epoch(self, loader: Any) -> Epoch:
         resume, self._resume = self._resume, None
-        iterator, self._epoch_rng = start_epoch(loader, self.position, resume)
-        return iterator
+        self._epoch, self._epoch_rng = start_epoch(loader, self.position, resume)
+        return self._epoch
 
     def _end_epoch(self, val_loader: Any) -> None:
         ended = self.position.epoch
@@ -145,7 +149,9 @@ class TrainingLoop:
         # one) resumes at the next epoch rather than replaying this epoch's end.
         self.position.epoch += 1
         self.position.batch_in_epoch = 0
-        self._epoch_rng = None
+        if self.position.samples_in_epoch is not None:
+            self.position.samples_in_epoch = 0
+        self._epoch_rng, self._epoch = None, None
         if val_loader is not None and self.options.val_check_interval is None:
             self._run_validation(val_loader, epoch=ended)
         self._events.call("on_train_epoch_end", trainer=self, epoch=ended)
@@ -163,7 +169,8 @@ class TrainingLoop:
         with engine.no_sync(self.model, enabled=not boundary):
             output, loss = self._forward_backward(batch, batch_idx)
         self._train_metrics.add("loss", loss.detach())
-        position.batch_in_epoch = batch_idx + 1
+        assert self._epoch is not None
+        self._epoch.advance(position, batch_idx + 1)
         self._stepped = boundary
         if not boundary:
             events.call(
@@ -251,10 +258,3 @@ class TrainingLoop:
         for scheduler in self.lr_schedulers:
             if scheduler.interval == "step" and step % scheduler.frequency == 0:
                 scheduler.scheduler.step()
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
