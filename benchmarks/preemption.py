@@ -165,25 +165,32 @@ def ready_worker(engine, args: argparse.Namespace, root: str) -> dict[str, list[
     """In each of 2 workers: rounds of four loops on trainer_overhead.py's MLP and data, in the same processes,
     each loop first in turn: raw DDP; the Trainer with the default preemption signals ("armed"); the same with
     an exchange at every step boundary, as before the exchanges had an interval ("every boundary"); and with
-    ``preemption_signals=()`` ("off"). Rank 0 returns, per loop and round, the median and the mean step, and
-    the median CPU time per step of the process (all its threads: what load on the machine changes least)."""
+    ``preemption_signals=()`` ("off"). Rank 0 returns, per loop and round, the median and the mean step, the
+    mean CPU time per step of the process (all its threads: what load on the machine changes least; a mean, so
+    that the rare steps that start an exchange count), and the exchanges started per step."""
     import trainer_overhead as to
 
     shape = argparse.Namespace(width=args.width, depth=4, batch=96, steps=args.ready_steps)
     data = to.make_data(shape.width, shape.batch, shape.steps, engine.world_size)
     loops = {
-        "raw": lambda: (to.raw_loop(shape, data), [math.nan]),
-        "armed": lambda: _trainer_loop(shape, data, root),
-        "every boundary": lambda: _every_boundary(lambda: _trainer_loop(shape, data, root)),
-        "off": lambda: _trainer_loop(shape, data, root, preemption_signals=()),
+        "raw": lambda: (to.raw_loop(shape, data), [math.nan], 0),
+        "armed": lambda: _counted(lambda: _trainer_loop(shape, data, root)),
+        "every boundary": lambda: _counted(lambda: _every_boundary(lambda: _trainer_loop(shape, data, root))),
+        "off": lambda: _counted(lambda: _trainer_loop(shape, data, root, preemption_signals=())),
     }
     names, rounds = list(loops), []
     for round_ in range(args.ready_rounds):
         segments = {}
         for name in names[round_ % 4 :] + names[: round_ % 4]:
             engine.barrier(name)
-            wall, cpu = loops[name]()
-            segments[name] = (statistics.median(wall), statistics.fmean(wall), statistics.median(cpu))
+            wall, cpu, exchanges = loops[name]()
+            per_step = exchanges / (shape.steps + 1)
+            segments[name] = (
+                statistics.median(wall),
+                statistics.fmean(wall),
+                statistics.fmean(cpu),
+                per_step,
+            )
         rounds.append(segments)
     return {name: [r[name] for r in rounds] for name in names}
 
@@ -215,6 +222,24 @@ def _trainer_loop(shape: argparse.Namespace, data: Any, root: str, **options: An
     return to.step_times(module.stamps), to.step_times(module.cpu)
 
 
+def _counted(run: Any) -> tuple[list, list, int]:
+    """``run``'s step times, and how many exchanges its fit started (every one, the last at fit's end)."""
+    from stratagem.trainer import _agreement
+
+    start, started = _agreement.Agreement._start, [0]
+
+    def counting(self: Any, values: Any) -> None:
+        started[0] += 1
+        start(self, values)
+
+    _agreement.Agreement._start = counting  # type: ignore[method-assign]
+    try:
+        wall, cpu = run()
+    finally:
+        _agreement.Agreement._start = start  # type: ignore[method-assign]
+    return wall, cpu, started[0]
+
+
 def _every_boundary(run):
     from stratagem.trainer import _agreement
 
@@ -241,13 +266,22 @@ def ready(args: argparse.Namespace) -> None:
     for name, rounds in stats.items():
         medians = [f"{statistics.median(r[i] for r in rounds) * 1e3:.3f} ms" for i in (0, 1, 2)]
         over = _added(rounds, stats["raw"], 0)[0] if name != "raw" else ""
-        rows.append([name, *medians[:2], medians[2] if name != "raw" else "", over])
-    header = ["loop", "median step", "mean step", "CPU time per step", "median step over raw"]
-    print(table(rows, header))
+        exchanges = f"{statistics.median(r[3] for r in rounds):.4f}" if name != "raw" else ""
+        rows.append([name, *medians[:2], medians[2] if name != "raw" else "", exchanges, over])
+    header = ["loop", "median step", "mean step", "mean CPU time per step", "exchanges per step"]
+    print(table(rows, [*header, "median step over raw"]))
     for name in ("armed", "every boundary"):
-        for i, what in enumerate(("median step", "mean step", "CPU time per step")):
+        for i, what in enumerate(("median step", "mean step", "mean CPU time per step")):
             added, spread_ = _added(stats[name], stats["off"], i)
             print(f"{name} - off, {what}: {added} ({spread_})")
+    # What the exchanges cost, from the loops that differ by one exchange per step, times how often the armed
+    # loop exchanged: a figure the load moves far less than a difference of step times does.
+    one = [(e[2] - o[2]) / e[3] for e, o in zip(stats["every boundary"], stats["off"])]
+    print(
+        f"one exchange (every boundary - off, mean CPU time per exchange): {statistics.median(one) * 1e3:+.3f} ms; "
+        f"armed, {statistics.median(r[3] for r in stats['armed']):.4f} exchanges per step: "
+        f"{statistics.median(one) * statistics.median(r[3] for r in stats['armed']) * 1e3:+.4f} ms per step"
+    )
     print("goal: armed - off at most +0.1 ms per step")
 
 
