@@ -185,5 +185,6 @@ def test_with_short_steps_the_ranks_exchange_rarely_and_stop_together_within_a_s
     # A signal three steps before the end, after the last exchange of the training began: the one more
     # exchange at the end of fit carries it, and every rank stops at the last step at the latest.
     stopped = out["stopped late, every rank"]
+    assert "record late" in out, out  # fit returned: the late signal went unseen
     assert stopped[0] == stopped[1] == out["record late"]["step"], out
     assert steps - 3 < stopped[0] <= steps, out
