@@ -83,7 +83,7 @@ class FitLoop:
             periodic = (
                 opts.checkpoint_every_n_steps is not None or opts.checkpoint_every_n_minutes is not None
             )
-            # A signal the last boundary's exchange carried stops the run here, saved like any other.
+            # A signal the ranks have not acted on yet stops the run here, saved like any other.
             preempted = preemption.settle()
             if (periodic or preempted) and self._checkpoints.last_saved_step != run.position.step:
                 self._checkpoints.save_periodic()
