@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic, _dcp, _store
+from stratagem.checkpoint import _dcp, _publish, _store
 from stratagem.checkpoint._ranks import _distributed, _single_process_quiet
 from stratagem.checkpoint._state_layout import (
     STATE_FILE,
@@ -48,8 +48,7 @@ def read_full(path: Path | str) -> dict[str, Any]:
 
 
 def load(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-    target = _store.location(path)
-    source = target if isinstance(target, str) else _atomic.recover(target)
+    source = _publish.published(path)
     fmt = detect_format(source)
     parts = classify(state)
     if fmt == "full":

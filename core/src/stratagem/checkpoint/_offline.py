@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic, _dcp, _store
+from stratagem.checkpoint import _dcp, _publish, _store, _write
 from stratagem.checkpoint._load import read_full, read_sharded_state
-from stratagem.checkpoint._publish import write_full
 from stratagem.checkpoint._state_layout import FORMAT_VERSION, detect_format, read_json_metadata, sharded_data
 from stratagem.errors import CheckpointError
 
@@ -61,7 +60,7 @@ def _step(state: dict[str, Any]) -> Any:
 
 def inspect(path: str | Path) -> dict[str, Any]:
     """What a checkpoint holds: format, strategy, world size, step, tensors (name, shape, dtype), sizes."""
-    source = _source(path)
+    source = _publish.published(path)
     fmt = detect_format(source)
     if fmt == "full":
         payload = read_full(source)
@@ -116,11 +115,6 @@ def _mapped_empty(file: Path, size: tuple[int, ...], dtype: torch.dtype) -> torc
     return torch.from_file(str(file), shared=True, size=numel, dtype=dtype).view(size)
 
 
-def _source(path: str | Path) -> Path | str:
-    where = _store.location(path)
-    return where if isinstance(where, str) else _atomic.recover(where)
-
-
 def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path | None = None) -> Path | str:
     """Write the sharded checkpoint ``source`` as a full checkpoint file ``output``.
 
@@ -134,7 +128,7 @@ def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path 
 
     from stratagem.registry._version import __version__
 
-    source, output = _source(source), _store.location(output)
+    source, output = _publish.published(source), _store.location(output)
     if detect_format(source) != "sharded":
         raise CheckpointError(source, "is a file (a full checkpoint already); consolidate takes a directory.")
     meta = read_json_metadata(source)
@@ -191,7 +185,7 @@ def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path 
             "state": read_sharded_state(data),
         }
         try:
-            write_full(output, payload)
+            _write.full(_publish.destination(output), payload)
         except Exception as error:
             raise CheckpointError(output, f"could not be written: {type(error).__name__}: {error}") from error
         del payload, nested, flat

@@ -27,6 +27,9 @@ FORMAT_VERSION = 1
 METADATA_FILE = "stratagem.json"
 #: The file of a sharded checkpoint directory that holds its plain state (step, RNG states, extras).
 STATE_FILE = "state.pt"
+#: On an object store a sharded checkpoint's files are under ``<checkpoint>/<DATA_PREFIX><id>/``, and its
+#: ``stratagem.json`` (the manifest, written last) names the one in use.
+DATA_PREFIX = "data-"
 _PER_RANK = "__stratagem_per_rank__"
 
 
@@ -219,7 +222,7 @@ def sharded_data(directory: Path | str, meta: dict[str, Any]) -> Path | str:
     from stratagem.checkpoint import _store
 
     data = meta.get("data")
-    if not isinstance(data, str) or not data.startswith(_store.DATA_PREFIX) or "/" in data:
+    if not isinstance(data, str) or not data.startswith(DATA_PREFIX) or "/" in data:
         raise CheckpointError(
             directory, f"its {METADATA_FILE} names no data prefix; it is not a stratagem manifest."
         )

@@ -12,15 +12,11 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic, _dcp, _store
+from stratagem.checkpoint import _dcp
 from stratagem.checkpoint._load import read_full, read_sharded_state
+from stratagem.checkpoint._publish import published
 from stratagem.checkpoint._state_layout import detect_format, read_json_metadata, sharded_data
 from stratagem.errors import CheckpointError
-
-
-def _source(path: str | os.PathLike[str]) -> Path | str:
-    where = _store.location(path)
-    return where if isinstance(where, str) else _atomic.recover(where)
 
 
 def layout_strategy(source: Path | str) -> Any:
@@ -47,7 +43,7 @@ def layout_strategy(source: Path | str) -> Any:
 
 def read_plain_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The plain entries of a checkpoint's state (``progress``, ``hyperparameters``, ...)."""
-    source = _source(path)
+    source = published(path)
     if detect_format(source) == "full":
         state = read_full(source).get("state", {})
         return state if isinstance(state, dict) else {}
@@ -59,7 +55,7 @@ def read_plain_state(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def read_module_weights(path: str | os.PathLike[str], key: str = "model") -> dict[str, torch.Tensor]:
     """The whole tensors of module ``key`` of the checkpoint at ``path``, on CPU, by parameter name."""
-    source = _source(path)
+    source = published(path)
     if detect_format(source) == "full":
         models = read_full(source).get("model", {})
         if key not in models:
