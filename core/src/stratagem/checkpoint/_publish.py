@@ -38,13 +38,6 @@ def destination(path: str | os.PathLike[str]) -> Destination:
     return LocalDestination(location)
 
 
-def published(path: str | os.PathLike[str]) -> _store.Location:
-    """The checkpoint at ``path`` as a reader finds it: on a local disk, once a directory swap that a crash
-    interrupted is finished (every load does this); a store URL as it is (its manifest says what to read)."""
-    location = _store.location(path)
-    return location if isinstance(location, str) else _atomic.recover(location)
-
-
 @attrs.frozen
 class LocalDestination:
     """A checkpoint on a local disk: written beside its path, fsynced, then renamed into place."""
