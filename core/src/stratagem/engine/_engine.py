@@ -12,6 +12,7 @@ import torch
 
 from stratagem.engine._checkpoint_io import Checkpoints
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
+from stratagem.engine._init_weights import wrap_and_load
 from stratagem.engine._launching import Launching
 from stratagem.engine._model_setup import Compiling
 from stratagem.engine._strategy_optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer
@@ -281,7 +282,9 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         with self._hooks.model_init_context(empty_init), self._hooks.model_sharded_context():
             yield
 
-    def setup(self, model: torch.nn.Module, *optimizers: Any, compile: Any = None) -> Any:
+    def setup(
+        self, model: torch.nn.Module, *optimizers: Any, compile: Any = None, init_weights: Any = None
+    ) -> Any:
         """Wrap the model and its optimizers; return ``model`` or ``(model, *optimizers)``.
 
         ``compile``: ``True``, or a dict of ``backend``, ``mode``, ``fullgraph``, ``dynamic`` and ``regional``
@@ -291,7 +294,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         --compile``), if set. A model wrapped by ``torch.compile`` already is unwrapped and compiled there.
         """
         names = {id(p): _clean_name(n) for n, p in model.named_parameters()}
-        wrapped = self.setup_module(model, compile=compile)
+        wrapped = self.setup_module(model, compile=compile, init_weights=init_weights)
         if not optimizers:
             return wrapped
         for optimizer in optimizers:
@@ -307,10 +310,13 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
                 _rebind_optimizer(optimizer, names, wrapped)
         return (wrapped, *self.setup_optimizers(wrapped, *optimizers))
 
-    def setup_module(self, model: torch.nn.Module, compile: Any = None) -> torch.nn.Module:
-        """Wrap the model alone (``compile`` as in :meth:`setup`)."""
+    def setup_module(
+        self, model: torch.nn.Module, compile: Any = None, init_weights: Any = None
+    ) -> torch.nn.Module:
+        """Wrap the model alone (``compile`` as in :meth:`setup`). ``init_weights``: Hugging Face weights to fill
+        it with, each rank reading only its parts (a path, URL or ``HFWeights``; docs/hugging-face.md)."""
         self.setup_environment()
-        wrapped = self._wrap(model, compile)
+        wrapped = wrap_and_load(self, model, init_weights, lambda: self._wrap(model, compile))
         self._models.append(wrapped)
         return wrapped
 

@@ -4,7 +4,6 @@ callbacks and loggers it was given (see the Trainer events in :mod:`stratagem.ho
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
 from stratagem.errors import ConfigurationError
-from stratagem.launchers import _restarts, _worker_start
+from stratagem.launchers import _restarts
 from stratagem.launchers._watchdog import collective_timeout
 from stratagem.registry._event_hooks import TrainerEventHooks
 from stratagem.trainer import _callbacks_and_loggers, _fit_checks
@@ -32,6 +31,7 @@ from stratagem.trainer._preemption_stop import Preemption, PreemptionOptions
 from stratagem.trainer._progress import ProgressBar
 from stratagem.trainer._recovery import Recovery
 from stratagem.trainer._resume import Position
+from stratagem.trainer._teardown import _register_teardown
 from stratagem.trainer.module import Module
 
 __all__ = ["Trainer", "TrainerOptions"]
@@ -93,6 +93,10 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, Comp
         checkpointing, before data-parallel wrapping; each repeated block once by default). Checked here, before
         anything launches. See :meth:`stratagem.Engine.setup`. A ``torch.compile``'d model is unwrapped and compiled
         so, with the options torch.compile was given unless ``compile=`` is set (``False``: not compiled).
+    :param init_weights: Hugging Face weights to start from: a model folder, a ``.safetensors`` file or its index,
+        local or at a URL, or a :class:`~stratagem.checkpoint.hf.HFWeights` (adapter, strict). ``configure_model``
+        then builds on the meta device and each rank reads only its parts; a mismatch is refused before training;
+        a checkpoint ``fit`` resumes from takes precedence (docs/hugging-face.md).
     """
 
     def __init__(
@@ -131,6 +135,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, Comp
         preemption_grace_s: float = 30.0,
         slurm_requeue: bool | None = None,
         compile: Any = None,
+        init_weights: Any = None,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -171,6 +176,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, Comp
         # Checked before anything launches; the workers get the checked options (False: none, whatever the
         # environment says).
         self._compile, self._compile_off = self.engine.resolve_compile(compile) or False, compile is False
+        self._init_weights = self._checked_init_weights(init_weights)
         launcher_restarts = _restarts.max_restarts()
         if launcher_restarts and not max_restarts:
             # Restarts asked of the launcher (`stratagem run --max-restarts`, `torchrun --max-restarts`).
@@ -280,13 +286,13 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, Comp
         if self.engine.needs_launch:
             _fit_checks.check_optimizers_before_launch(model, strategy_optimizer)
             self._launch()
-        self._setup(model, with_optimizers=True)
+        resume_from, init_weights = self._start_from(ckpt_path)
+        self._setup(model, with_optimizers=True, init_weights=init_weights)
         self._batch_size = loader_batch_size(train_dataloaders)
         if self._batch_size is not None:
             self.engine.check_batch_size(self._batch_size)
         train_loader = self._prepare_loader(train_dataloaders)
         val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
-        resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
             self._load_for_resume(resume_from, train_loader)
         report = self._recovery.resumed(self.position.step, self._preemption.resumed)
@@ -323,7 +329,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, Comp
         self.engine.supervise(**self._preemption.job_fields())
 
     # set-up ----------------------------------------------------------------------------------------
-    def _setup(self, model: Module, *, with_optimizers: bool) -> None:
+    def _setup(self, model: Module, *, with_optimizers: bool, init_weights: Any = None) -> None:
         engine = self.engine
         if self.module is not None and model is not self.module:
             raise ConfigurationError("This Trainer already trains another model; make one Trainer per model.")
@@ -336,22 +342,23 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, Comp
             model.__dict__["_stratagem_trainer"] = self
             self.module = model
             if not model.__dict__.get("_stratagem_configured", False):
-                with engine.init_module(empty_init=False):
+                with engine.init_module(empty_init=init_weights is not None):
                     model.configure_model()
                 model.__dict__["_stratagem_configured"] = True
         elif self.options.seed is not None and with_optimizers:
             engine.seed_everything(self.options.seed)
+        wrap = {"compile": self._compile, "init_weights": init_weights}
         if with_optimizers and not self.optimizers:
             optimizers, self.lr_schedulers = _fit_checks.configured_optimizers(model, engine.strategy)
             if first and optimizers:
-                self.model, *self.optimizers = engine.setup(model, *optimizers, compile=self._compile)
+                self.model, *self.optimizers = engine.setup(model, *optimizers, **wrap)
             else:
                 if first:  # no optimizer of the module's: the strategy's configuration defines it
-                    self.model = engine.setup_module(model, compile=self._compile)
+                    self.model = engine.setup_module(model, **wrap)
                 # Set up by validate() before: optimizers over the wrapped model's parameters.
                 self.optimizers = engine.setup_optimizers(self.model, *optimizers)
         elif first:
-            self.model = engine.setup_module(model, compile=self._compile)
+            self.model = engine.setup_module(model, **wrap)
 
     def _prepare_loader(self, loader: Any) -> Any:
         return self.engine.setup_dataloaders(
@@ -367,31 +374,3 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, Comp
         assert model is not None and module is not None
         with redirected_forward(module, method):
             return model(*args)
-
-
-# -------------------------------------------------------------------------------------------------
-# helpers
-# -------------------------------------------------------------------------------------------------
-
-_TEARDOWN_REGISTERED: set[int] = set()
-
-
-def _register_teardown(engine: Engine) -> None:
-    """Leave the process group when the script ends normally (the Trainer may be used after ``fit``).
-
-    Not after an uncaught exception: the barrier of the teardown would wait for peers that the launcher is
-    stopping anyway.
-    """
-    if id(engine) in _TEARDOWN_REGISTERED:
-        return
-    _TEARDOWN_REGISTERED.add(id(engine))
-    _worker_start.watch_uncaught()
-
-    def teardown() -> None:
-        if _worker_start.uncaught_exception():
-            return
-        # A peer that failed makes the barrier fail here too; the launcher reports that peer's error.
-        with contextlib.suppress(Exception):
-            engine.teardown()
-
-    atexit.register(teardown)
