@@ -286,6 +286,7 @@ def run_agent(
         raise KeyboardInterrupt from None
     finally:
         spec.rdzv_handler.shutdown()
+        _rounds.forget()
 
 
 _freeze_registered = False
