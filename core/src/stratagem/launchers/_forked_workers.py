@@ -99,8 +99,14 @@ def ensure_server(environment: Mapping[str, str]) -> None:
             finally:
                 tempfile.tempdir = saved
         multiprocessing.set_forkserver_preload(list(PRELOAD))
-        saved_env = {key: os.environ.get(key) for key in environment}
-        os.environ.update(environment)
+        # Compute threads are each worker's own (adopt_launch_environment): the server's are the default.
+        server_env = {**environment, "OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None}
+        saved_env = {key: os.environ.get(key) for key in server_env}
+        for key, value in server_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         try:
             server.ensure_running()
             _server_environment = dict(os.environ)
@@ -134,7 +140,12 @@ def adopt_launch_environment() -> None:
     if threads.isdigit() and int(threads) > 0:
         import torch
 
-        torch.set_num_threads(int(threads))
+        wanted = int(threads)
+        if torch.backends.mkl.is_available():
+            # A new interpreter's torch takes MKL's thread count, which is at most the physical cores: the
+            # count the server (started with no OMP_NUM_THREADS) has now.
+            wanted = min(wanted, torch.get_num_threads())
+        torch.set_num_threads(wanted)
     # A forked worker ends with os._exit after its function: run the exit handlers as an interpreter would.
     from multiprocessing import util
 
