@@ -184,17 +184,35 @@ def remove_object(url: str) -> None:
 
 
 @contextlib.contextmanager
-def upload(url: str) -> Iterator[Path]:
+def upload(url: str, sums: dict[str, int] | None = None) -> Iterator[Path]:
     """Yield a local scratch file; on success it becomes the object ``url`` in one upload.
 
     fsspec's ``put_file`` sends a single PUT or a multipart upload completed only at its end (aborted on
     error), so the object never exists half-written, whatever happens to this process. The scratch file is
     named after this process, so that a save after this one was killed removes it (see stratagem.checkpoint._scratch).
+    ``sums``: filled by the writer with the file's ``"crc32c"``, which a single PUT to S3 sends for the store
+    to verify on receipt (:func:`checksum_arguments`).
     """
     with _scratch.file("upload") as scratch:
         yield scratch
         fs, path = filesystem(url)
-        fs.put_file(str(scratch), path)
+        extra = checksum_arguments(url, scratch.stat().st_size, (sums or {}).get("crc32c"))
+        fs.put_file(str(scratch), path, **extra)
+
+
+def checksum_arguments(url: str, size: int, crc32c: int | None) -> dict[str, str]:
+    """``ChecksumCRC32C`` for an upload to S3 that s3fs sends as one PUT: S3 refuses the object (BadDigest)
+    unless its bytes have that checksum. A multipart upload's parts are checked by botocore's own default
+    checksum (CRC32 per part) instead; other stores get nothing extra."""
+    if crc32c is None or scheme_of(url) not in ("s3", "s3a"):
+        return {}
+    from s3fs.core import calculate_chunksize
+
+    if size >= min(5 * 2**30, 2 * calculate_chunksize(size)):
+        return {}
+    from stratagem.checkpoint._checksum import s3_header
+
+    return {"ChecksumCRC32C": s3_header(crc32c)}
 
 
 def describe_error(url: str, error: BaseException) -> str:
