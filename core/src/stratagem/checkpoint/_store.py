@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -194,7 +196,23 @@ def upload(url: str, sums: dict[str, int] | None = None) -> Iterator[Path]:
     to verify on receipt (:func:`checksum_arguments`).
     """
     with _scratch.file("upload") as scratch:
-        yield scratch
+        try:
+            yield scratch
+        except Exception as error:
+            code = getattr(error, "errno", None)
+            free = shutil.disk_usage(scratch.parent).free
+            # torch's writer reports a full disk as "unexpected pos" (no errno): a nearly full disk tells.
+            if code not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) and not (
+                code is None and free < 1 << 20
+            ):
+                raise
+            written = scratch.stat().st_size if scratch.exists() else 0
+            raise OSError(
+                code or errno.ENOSPC,
+                f"the local scratch file {scratch}, written before the upload, did not fit ({error}; {written} "
+                f"bytes written, {free} bytes free). Free space in {scratch.parent} or point TMPDIR elsewhere; "
+                "the scratch file was removed and nothing was uploaded.",
+            ) from error
         fs, path = filesystem(url)
         extra = checksum_arguments(url, scratch.stat().st_size, (sums or {}).get("crc32c"))
         fs.put_file(str(scratch), path, **extra)

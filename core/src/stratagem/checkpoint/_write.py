@@ -9,11 +9,13 @@ written, so that loading never runs pickled code.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _checksum, _dcp
+from stratagem.checkpoint import _atomic, _checksum, _dcp
 from stratagem.checkpoint._publish import Destination
 from stratagem.checkpoint._ranks import _distributed, _single_process_quiet
 from stratagem.checkpoint._state_layout import STATE_FILE
@@ -24,13 +26,35 @@ def full(destination: Destination, payload: dict[str, Any]) -> None:
     """Rank 0: the full checkpoint, one ``torch.save`` file ending in its checksum's trailer, published as it is
     closed (renamed into place, or uploaded as one object, the whole file's CRC32C sent for the store to check)."""
     payload = {**payload, "stratagem": {**payload["stratagem"], "checksum": _checksum.TRAILER_KIND}}
-    with destination.full_file() as file:
+    with _needing(payload), destination.full_file() as file:
         with open(file, "wb") as raw:
             summing = _checksum.Summing(raw)
             torch.save(payload, summing)
             tail = _checksum.trailer(summing.value, summing.length)
             raw.write(tail)
         destination.expect_crc32c(_checksum.crc_bytes(tail, summing.value))
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local.numel() * local.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+@contextlib.contextmanager
+def _needing(state: Any) -> Iterator[None]:
+    """A write that fails says how many bytes it needed (its tensors': the file is a little larger)."""
+    try:
+        yield
+    except _atomic.WriteError as error:
+        raise _atomic.WriteError(
+            f"{error} This write needed about {_tensor_bytes(state)} bytes (its tensors)."
+        ) from error
 
 
 def shards(destination: Destination, staging: Location, tensors: dict[str, Any]) -> dict[str, str]:
@@ -41,10 +65,14 @@ def shards(destination: Destination, staging: Location, tensors: dict[str, Any])
 
     writer = _dcp.writer(staging)
     try:
-        with _single_process_quiet():
-            dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
-    except _dcp.ERRORS as error:
-        raise destination.write_failure(staging, error, _dcp.describe(error)) from error
+        with _needing(tensors):
+            try:
+                with _single_process_quiet():
+                    dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
+            except _dcp.ERRORS as error:
+                raise destination.write_failure(staging, error, _dcp.describe(error)) from error
+    except _atomic.WriteError as error:
+        raise _atomic.WriteError(f"{error} (this rank's shards)") from error
     return writer.checksums
 
 
@@ -71,7 +99,7 @@ def start_shards(
 def plain_state(destination: Destination, staging: Location, plain: dict[str, Any]) -> dict[str, str]:
     """Rank 0: the plain state of a sharded checkpoint (``state.pt``), once every rank's shards are written;
     returns its checksum."""
-    with destination.staged_file(staging, STATE_FILE) as file:
+    with _needing(plain), destination.staged_file(staging, STATE_FILE) as file:
         with open(file, "wb") as raw:
             summing = _checksum.Summing(raw)
             torch.save(plain, summing)
