@@ -121,6 +121,14 @@ def main() -> None:
         "--dir", default=None, help="where the checkpoints go (default: a temporary directory)"
     )
     args = parser.parse_args()
+    from stratagem.checkpoint import _checksum
+
+    data = torch.randn(64 * 2**20).numpy().tobytes()  # 256 MiB
+    start = time.perf_counter()
+    _checksum.extend(0, data)
+    rate = len(data) / (time.perf_counter() - start) / 1e9
+    native = "bundled crc32c_extend via ctypes" if _checksum._EXTEND is not None else "Python API (copies)"
+    print(f"CRC32C on one core: {rate:.1f} GB/s ({native})")
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         single = sg.Engine(strategy="single_device", accelerator="cpu")

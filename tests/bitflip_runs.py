@@ -71,7 +71,7 @@ def flip(file: str, seed: int) -> tuple[bytes, int]:
 def run_all(engine: Any, workdir: str, s3_url: str | None, strategies: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy in strategies:
-        for fmt in ("full", "sharded"):
+        for fmt in ("full", "sharded") if strategy != "ddp" else ("full",):
             places = {"local": f"{workdir}/{strategy}-{fmt}"}
             if s3_url is not None and not (strategy.startswith("deepspeed") and fmt == "sharded"):
                 places["s3"] = f"{s3_url}/{strategy}-{fmt}"  # DeepSpeed's own layout is local only

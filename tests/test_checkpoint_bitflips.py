@@ -39,7 +39,8 @@ CASES = [
     for s in STRATEGIES
     for fmt in ("full", "sharded")
     for place in ("local", "s3")
-    if not (place == "s3" and (not HAVE_S3 or (s.startswith("deepspeed") and fmt == "sharded")))
+    if not (s == "ddp" and fmt == "sharded")  # ddp writes full checkpoints only
+    and not (place == "s3" and (not HAVE_S3 or (s.startswith("deepspeed") and fmt == "sharded")))
 ]
 
 
@@ -71,9 +72,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def _load(path: str) -> None:
+    """The model and its optimizer's state, so that every shard file is read (on S3 a rank's files are split by
+    DCP's four writer threads, some holding only optimizer state)."""
+    import torch
+
     model = Regression()
     model.configure_model()
-    sg.Engine(strategy="single_device", accelerator="cpu").load(path, {"model": model})
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # its state exists, so the load reads the saved one
+    sg.Engine(strategy="single_device", accelerator="cpu").load(
+        path, {"model": model, "optimizer": optimizer}
+    )
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -91,6 +91,38 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
+def test_uploads_send_the_crc32c_the_store_verifies(s3: S3Server) -> None:
+    # A full checkpoint and a sharded one's state.pt go up in one PUT each, carrying x-amz-checksum-crc32c, which
+    # S3 checks against the body on receipt. moto neither checks nor keeps it (it reads only checksums it is told
+    # the algorithm of), so the requests themselves are looked at, through botocore's before-send event.
+    import base64
+
+    import google_crc32c
+
+    engine = sg.Engine(strategy="single_device", accelerator="cpu")
+    engine.save(f"s3://{BUCKET}/crc/warm.ckpt", _state(seed=0, step=1), format="full")  # the client exists
+    fs, _ = _store.filesystem(f"s3://{BUCKET}/crc")
+    sent: dict[str, str | None] = {}
+
+    def record(request: Any, **_: Any) -> None:
+        key = request.url.split(f"/{BUCKET}/", 1)[-1].split("?", 1)[0]
+        value = request.headers.get("x-amz-checksum-crc32c")
+        sent[key] = value.decode() if isinstance(value, bytes) else value
+
+    fs.s3.meta.events.register("before-send.s3.PutObject", record)
+    try:
+        for fmt, key in (("full", "crc/full.ckpt"), ("sharded", "crc/sharded")):
+            engine.save(f"s3://{BUCKET}/{key}", _state(seed=0, step=1), format=fmt)
+            if fmt == "sharded":
+                manifest = json.loads(_store.read_bytes(f"s3://{BUCKET}/{key}/stratagem.json"))
+                key = f"{key}/{manifest['data']}/state.pt"
+            body = _store.read_bytes(f"s3://{BUCKET}/{key}")
+            crc = base64.b64encode(google_crc32c.value(body).to_bytes(4, "big")).decode()
+            assert sent.get(key) == crc, (fmt, key, sent)
+    finally:
+        fs.s3.meta.events.unregister("before-send.s3.PutObject", record)
+
+
 def test_s3_round_trips_publication_cli_and_bad_input(s3: S3Server, tmp_path: Path) -> None:
     engine = sg.Engine(strategy="single_device", accelerator="cpu")
     for fmt in ("full", "sharded"):

@@ -9,6 +9,7 @@ fsspec and the store's package are imported on first use of a URL only, never at
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import difflib
 import errno
@@ -228,9 +229,8 @@ def checksum_arguments(url: str, size: int, crc32c: int | None) -> dict[str, str
 
     if size >= min(5 * 2**30, 2 * calculate_chunksize(size)):
         return {}
-    from stratagem.checkpoint._checksum import s3_header
-
-    return {"ChecksumCRC32C": s3_header(crc32c)}
+    # S3's header value: base64 of the CRC32C's big-endian bytes.
+    return {"ChecksumCRC32C": base64.b64encode(crc32c.to_bytes(4, "big")).decode()}
 
 
 def describe_error(url: str, error: BaseException) -> str:
