@@ -123,6 +123,59 @@ def test_uploads_send_the_crc32c_the_store_verifies(s3: S3Server) -> None:
         fs.s3.meta.events.unregister("before-send.s3.PutObject", record)
 
 
+def test_a_flaky_store_is_retried_and_a_dead_one_fails_in_bounded_time(
+    s3: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A proxy fails requests between the client and moto (503s and connection resets): at 30%, saves and loads
+    # succeed and every failed request was retried once, each retry logged once; at 100% a save fails within a
+    # bounded time naming the store's error, and publishes nothing.
+    import logging
+
+    import s3fs
+    from flaky_proxy import FlakyProxy
+
+    engine = sg.Engine(strategy="single_device", accelerator="cpu")
+    saved_endpoint = os.environ["AWS_ENDPOINT_URL"]
+    with FlakyProxy(s3.endpoint, fraction=0.3, seed=41) as proxy:
+        os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
+        s3fs.S3FileSystem.clear_instance_cache()
+        try:
+            with caplog.at_level(logging.WARNING, logger="stratagem.checkpoint"):
+                for fmt in ("full", "sharded"):
+                    url = f"s3://{BUCKET}/flaky/{fmt}"
+                    state = _state(seed=2, step=5)
+                    engine.save(url, state, format=fmt)
+                    model, optimizer = W.fresh()
+                    assert engine.load(url, {"model": model, "optimizer": optimizer})["step"] == 5
+                    assert W.same_state((model, optimizer), (state["model"], state["optimizer"])), fmt
+            retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+            print(
+                f"30%: {proxy.failed} requests failed of {proxy.failed + proxy.forwarded}; {len(retries)} retries"
+            )
+            assert proxy.failed >= 5, "the proxy failed too few requests: the test proves nothing"
+            # Each retry botocore or s3fs makes is logged once; a failure absorbed below them (a reset of a pooled
+            # connection that the HTTP layer re-sends, a HEAD that s3fs follows with a listing) is not a retry of
+            # theirs, and is not logged: so at most one line per failed request, and some.
+            assert 0 < len(retries) <= proxy.failed, (len(retries), proxy.failed)
+
+            proxy.fraction = 1.0
+            url = f"s3://{BUCKET}/flaky/dead.ckpt"
+            start = time.monotonic()
+            with pytest.raises(CheckpointError) as caught:
+                engine.save(url, _state(seed=3, step=6), format="full")
+            took = time.monotonic() - start
+            message = str(caught.value)
+            print(f"100%: failed after {took:.1f} s: {message}")
+            assert took < 120, took
+            assert url in message and any(k in message for k in ("ServiceUnavailable", "503", "onnection")), (
+                message
+            )
+        finally:
+            os.environ["AWS_ENDPOINT_URL"] = saved_endpoint
+            s3fs.S3FileSystem.clear_instance_cache()
+    assert not any(o.startswith("dead") for o in _objects(f"s3://{BUCKET}/flaky")), "published after failing"
+
+
 def test_s3_round_trips_publication_cli_and_bad_input(s3: S3Server, tmp_path: Path) -> None:
     engine = sg.Engine(strategy="single_device", accelerator="cpu")
     for fmt in ("full", "sharded"):

@@ -13,6 +13,7 @@ import base64
 import contextlib
 import difflib
 import errno
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -85,8 +86,45 @@ def name_of(loc: Location) -> str:
     return loc.name if isinstance(loc, Path) else loc.rstrip("/").rsplit("/", 1)[-1]
 
 
+#: Where the store clients say that they retry a request (at DEBUG): botocore per request (HTTP 500/503,
+#: throttling, connection errors), s3fs around a whole call (timeouts, dropped connections, SlowDown).
+_RETRY_LOGGERS = (
+    "botocore.retryhandler",
+    "botocore.retries.standard",
+    "aiobotocore.retries.standard",
+    "s3fs",
+)
+_RETRY_TEXTS = ("Retry needed", "Retryable error")
+_log = logging.getLogger("stratagem.checkpoint")
+
+
+class _RetryNotice(logging.Filter):
+    """Turns each retry a store client notes at DEBUG into one WARNING line of stratagem's, and lets through
+    only what the client's logger let through before (its level is lowered to DEBUG to see the retries)."""
+
+    def __init__(self, passed: int) -> None:
+        super().__init__()
+        self.passed = passed
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text.startswith(_RETRY_TEXTS) and "quota reached" not in text:
+            _log.warning("stratagem: object store request failed, retrying (%s: %s)", record.name, text)
+        return record.levelno >= self.passed
+
+
+def _watch_retries() -> None:
+    for name in _RETRY_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RetryNotice) for f in logger.filters):
+            logger.addFilter(_RetryNotice(logger.getEffectiveLevel()))
+            logger.setLevel(logging.DEBUG)
+
+
 def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec file system serving ``url`` and the path inside it. Missing packages raise with the extra."""
+    """The fsspec file system serving ``url`` and the path inside it. Missing packages raise with the extra.
+    Every retry of a request the store's client makes is logged once, as a warning (:class:`_RetryNotice`)."""
+    _watch_retries()
     scheme = scheme_of(url) or ""
     package, extra = SCHEMES.get(scheme, (None, None))
     try:
@@ -136,11 +174,20 @@ def check_bucket(url: str) -> None:
     fs, path = filesystem(url)
     bucket = path.split("/", 1)[0]
     fs.invalidate_cache()
-    if not fs.exists(bucket):
-        raise CheckpointError(
-            url,
-            f"the bucket {bucket!r} does not exist: create it (stratagem does not create buckets) or fix the URL.",
-        )
+    if hasattr(fs, "call_s3"):
+        # s3fs's exists() answers False for any failure of its probes: a store that refuses every request would
+        # read as a missing bucket. Its HEAD raises the store's own error instead (FileNotFoundError: none).
+        try:
+            fs.call_s3("head_bucket", Bucket=bucket)
+            return
+        except FileNotFoundError:
+            pass
+    elif fs.exists(bucket):
+        return
+    raise CheckpointError(
+        url,
+        f"the bucket {bucket!r} does not exist: create it (stratagem does not create buckets) or fix the URL.",
+    )
 
 
 def read_bytes(url: str) -> bytes:
