@@ -84,6 +84,7 @@ def extend(value: int, data: Any) -> int:
 
 
 def hexdigest(value: int) -> str:
+    """A CRC32C as checkpoints record it: 8 lowercase hex digits."""
     return f"{value:08x}"
 
 
