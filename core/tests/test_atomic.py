@@ -172,8 +172,23 @@ def test_full_disk_raises_and_keeps_previous(tmp_path: Path, fmt: str) -> None:
     error = result["error"]
     assert error is not None and str(tmp_path / "disk" / "ckpt") in error
     assert "file system is full" in error or "No space left" in error, error
+    assert "needed about" in error and "bytes" in error, error
     assert result["loaded_step"] == 1 and result["weights_intact"]
     assert result["entries"] == ["ckpt"]
+    assert result["verified"]  # the previous checkpoint passes `stratagem checkpoint verify`
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_full_scratch_folder_of_an_upload_raises_and_keeps_previous(tmp_path: Path, fmt: str) -> None:
+    # The temporary directory (where an upload's scratch file is written) is a full 4 MiB tmpfs.
+    result = _disk_fault("scratch", fmt, tmp_path / "tmp")
+    error = result["error"]
+    assert error is not None and "memory://bucket/ckpt" in error, error
+    # (A sharded save uploads its shards directly; its state.pt, holding the large plain tensor, goes through
+    # a scratch file.)
+    assert f"the local scratch file {tmp_path / 'tmp'}" in error and "did not fit" in error, error
+    assert result["loaded_step"] == 1 and result["weights_intact"] and result["verified"]
+    assert result["entries"] == []  # no scratch file left behind
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])

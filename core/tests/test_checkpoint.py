@@ -205,6 +205,14 @@ class Payload:
         return (open, (str(self.marker), "w"))
 
 
+def without_checksums(path: Path) -> None:
+    """Make the sharded checkpoint at ``path`` one as written before checkpoints recorded checksums (as a
+    crafted one would be: the refusals below must not depend on the checksums)."""
+    meta = json.loads((path / "stratagem.json").read_text())
+    meta.pop("checksums"), meta.pop("manifest_crc32c")
+    (path / "stratagem.json").write_text(json.dumps(meta))
+
+
 def _all_readers(engine: sg.Engine, path: Path) -> list[str]:
     """Load, inspect and consolidate ``path``; every one must refuse. Returns the error messages."""
     messages = []
@@ -248,6 +256,7 @@ def test_sharded_index_with_code_is_refused(engine: sg.Engine, tmp_path: Path) -
     marker = tmp_path / "pwned"
     path, _ = _save(engine, tmp_path, "sharded")
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    without_checksums(path)
     messages = _all_readers(engine, path)
     assert len(messages) == 3 and all("unsafe: refusing io.open" in m for m in messages), messages
     assert not marker.exists()
@@ -272,6 +281,7 @@ def test_sharded_byte_entry_with_code_is_refused(engine: sg.Engine, tmp_path: Pa
             no_dist=True,
         )
     shutil.copy(good / "stratagem.json", path / "stratagem.json")
+    without_checksums(path)
     messages = _all_readers(engine, path)
     assert len(messages) == 2, messages  # load and consolidate read the entry; inspect reads only the index
     assert all("not plain data (refused, nothing was run)" in m for m in messages), messages

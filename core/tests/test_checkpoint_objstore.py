@@ -91,6 +91,91 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
+def test_uploads_send_the_crc32c_the_store_verifies(s3: S3Server) -> None:
+    # A full checkpoint and a sharded one's state.pt go up in one PUT each, carrying x-amz-checksum-crc32c, which
+    # S3 checks against the body on receipt. moto neither checks nor keeps it (it reads only checksums it is told
+    # the algorithm of), so the requests themselves are looked at, through botocore's before-send event.
+    import base64
+
+    import google_crc32c
+
+    engine = sg.Engine(strategy="single_device", accelerator="cpu")
+    engine.save(f"s3://{BUCKET}/crc/warm.ckpt", _state(seed=0, step=1), format="full")  # the client exists
+    fs, _ = _store.filesystem(f"s3://{BUCKET}/crc")
+    sent: dict[str, str | None] = {}
+
+    def record(request: Any, **_: Any) -> None:
+        key = request.url.split(f"/{BUCKET}/", 1)[-1].split("?", 1)[0]
+        value = request.headers.get("x-amz-checksum-crc32c")
+        sent[key] = value.decode() if isinstance(value, bytes) else value
+
+    fs.s3.meta.events.register("before-send.s3.PutObject", record)
+    try:
+        for fmt, key in (("full", "crc/full.ckpt"), ("sharded", "crc/sharded")):
+            engine.save(f"s3://{BUCKET}/{key}", _state(seed=0, step=1), format=fmt)
+            if fmt == "sharded":
+                manifest = json.loads(_store.read_bytes(f"s3://{BUCKET}/{key}/stratagem.json"))
+                key = f"{key}/{manifest['data']}/state.pt"
+            body = _store.read_bytes(f"s3://{BUCKET}/{key}")
+            crc = base64.b64encode(google_crc32c.value(body).to_bytes(4, "big")).decode()
+            assert sent.get(key) == crc, (fmt, key, sent)
+    finally:
+        fs.s3.meta.events.unregister("before-send.s3.PutObject", record)
+
+
+def test_a_flaky_store_is_retried_and_a_dead_one_fails_in_bounded_time(
+    s3: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A proxy fails requests between the client and moto (503s and connection resets): at 30%, saves and loads
+    # succeed and every failed request was retried once, each retry logged once; at 100% a save fails within a
+    # bounded time naming the store's error, and publishes nothing.
+    import logging
+
+    import s3fs
+    from flaky_proxy import FlakyProxy
+
+    engine = sg.Engine(strategy="single_device", accelerator="cpu")
+    saved_endpoint = os.environ["AWS_ENDPOINT_URL"]
+    with FlakyProxy(s3.endpoint, fraction=0.3, seed=41) as proxy:
+        os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
+        s3fs.S3FileSystem.clear_instance_cache()
+        try:
+            with caplog.at_level(logging.WARNING, logger="stratagem.checkpoint"):
+                for fmt in ("full", "sharded"):
+                    url = f"s3://{BUCKET}/flaky/{fmt}"
+                    state = _state(seed=2, step=5)
+                    engine.save(url, state, format=fmt)
+                    model, optimizer = W.fresh()
+                    assert engine.load(url, {"model": model, "optimizer": optimizer})["step"] == 5
+                    assert W.same_state((model, optimizer), (state["model"], state["optimizer"])), fmt
+            retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+            print(
+                f"30%: {proxy.failed} requests failed of {proxy.failed + proxy.forwarded}; {len(retries)} retries"
+            )
+            assert proxy.failed >= 5, "the proxy failed too few requests: the test proves nothing"
+            # Each retry botocore or s3fs makes is logged once; a failure absorbed below them (a reset of a pooled
+            # connection that the HTTP layer re-sends, a HEAD that s3fs follows with a listing) is not a retry of
+            # theirs, and is not logged: so at most one line per failed request, and some.
+            assert 0 < len(retries) <= proxy.failed, (len(retries), proxy.failed)
+
+            proxy.fraction = 1.0
+            url = f"s3://{BUCKET}/flaky/dead.ckpt"
+            start = time.monotonic()
+            with pytest.raises(CheckpointError) as caught:
+                engine.save(url, _state(seed=3, step=6), format="full")
+            took = time.monotonic() - start
+            message = str(caught.value)
+            print(f"100%: failed after {took:.1f} s: {message}")
+            assert took < 120, took
+            assert url in message and any(k in message for k in ("ServiceUnavailable", "503", "onnection")), (
+                message
+            )
+        finally:
+            os.environ["AWS_ENDPOINT_URL"] = saved_endpoint
+            s3fs.S3FileSystem.clear_instance_cache()
+    assert not any(o.startswith("dead") for o in _objects(f"s3://{BUCKET}/flaky")), "published after failing"
+
+
 def test_s3_round_trips_publication_cli_and_bad_input(s3: S3Server, tmp_path: Path) -> None:
     engine = sg.Engine(strategy="single_device", accelerator="cpu")
     for fmt in ("full", "sharded"):

@@ -230,9 +230,9 @@ def save_sharded(
         tensors = _cpu_copy(tensors, lambda t: _storage(t) not in stepped)
         stager = _stager(strategy)
     try:
-        response = _write.start_shards(staging, tensors, _async_group(strategy), stager)
+        response, writer = _write.start_shards(staging, tensors, _async_group(strategy), stager)
     except _dcp.ERRORS as error:
-        future, failed = None, error
+        future, failed, writer = None, error, None
     else:
         failed = None
         future = response
@@ -253,8 +253,9 @@ def save_sharded(
                 future.result()
             except _dcp.ERRORS as error:
                 raise _atomic.WriteError(_dcp.describe(error)) from error
-            _write.plain_state(destination, staging, plain)
-            destination.publish(staging, meta)
+            sums = dict(writer.checksums)
+            sums.update(_write.plain_state(destination, staging, plain))
+            destination.publish(staging, {**meta, **_write.manifest_checksums(sums)})
         except BaseException:
             destination.discard(staging)
             raise

@@ -15,7 +15,11 @@ from typing import Any
 
 import torch
 
+from stratagem.checkpoint import _checksum
 from stratagem.errors import CheckpointError
+
+#: A manifest's file checksums (name -> CRC32C), or None for a checkpoint written before they were recorded.
+Checksums = dict[str, str] | None
 
 
 def _errors() -> tuple[type[BaseException], ...]:
@@ -38,6 +42,18 @@ def describe(error: BaseException) -> str:
         exc = pair[0] if isinstance(pair, tuple) else pair
         parts.append(f"rank {rank} failed in torch.distributed.checkpoint: {type(exc).__name__}: {exc}")
     return "; ".join(parts)
+
+
+def checksum_failure(error: BaseException) -> _checksum.ChecksumError | None:
+    """The checksum mismatch that made DCP fail on some rank, if that is why it failed."""
+    if isinstance(error, _checksum.ChecksumError):
+        return error
+    failures = getattr(error, "failures", None)
+    for pair in (failures or {}).values() if isinstance(failures, dict) else ():
+        exc = pair[0] if isinstance(pair, tuple) else pair
+        if isinstance(exc, _checksum.ChecksumError):
+            return exc
+    return None
 
 
 _METADATA_CLASSES = {
@@ -71,23 +87,27 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def _open_index(path: Path | str, name: str) -> Any:
-    if isinstance(path, str):
-        from stratagem.checkpoint import _store
-
-        fs, root = _store.filesystem(path)
-        return fs.open(f"{root.rstrip('/')}/{name}", "rb")
-    return open(path / name, "rb")
+def _join(path: Path | str, name: str) -> Path | str:
+    return f"{path.rstrip('/')}/{name}" if isinstance(path, str) else path / name
 
 
-def read_metadata(path: Path | str, rank: int | None = None) -> Any:
-    """The DCP index of directory (or store prefix) ``path``, read with the restricted unpickler."""
+def read_metadata(path: Path | str, rank: int | None = None, checksums: Checksums = None) -> Any:
+    """The DCP index of directory (or store prefix) ``path``, read with the restricted unpickler; with
+    ``checksums`` (a manifest's), its bytes are verified first."""
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     name = ".metadata" if rank is None else f"__{rank}.metadata"
     try:
-        with _open_index(path, name) as stream:
-            meta = _MetadataUnpickler(stream).load()
+        with _checksum.open_file(_join(path, name)) as stream:
+            raw = stream.read()
+    except FileNotFoundError as error:
+        raise CheckpointError(
+            path, "has no torch.distributed.checkpoint index (.metadata): the directory is incomplete."
+        ) from error
+    if checksums is not None:
+        _verify_bytes(path, name, raw, checksums)
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(raw)).load()
     except FileNotFoundError as error:
         raise CheckpointError(
             path, "has no torch.distributed.checkpoint index (.metadata): the directory is incomplete."
@@ -103,8 +123,9 @@ def read_metadata(path: Path | str, rank: int | None = None) -> Any:
     return meta
 
 
-def safe_reader(path: Path | str) -> Any:
-    """A ``FileSystemReader`` (``FsspecReader`` for a store URL) whose index is read by :func:`read_metadata`."""
+def safe_reader(path: Path | str, checksums: Checksums = None) -> Any:
+    """A ``FileSystemReader`` (``FsspecReader`` for a store URL) whose index is read by :func:`read_metadata`;
+    with ``checksums``, each rank verifies every file its plan reads from before reading it."""
     if isinstance(path, str):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as Reader
     else:
@@ -112,24 +133,44 @@ def safe_reader(path: Path | str) -> Any:
 
     class SafeReader(Reader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            meta = read_metadata(path, kwargs.get("rank"))
+            meta = read_metadata(path, kwargs.get("rank"), checksums)
             meta.storage_meta.load_id = self.load_id
             return meta
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            if checksums is not None:
+                names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+                for name in sorted(names):
+                    verify_file(path, name, checksums)
+            return super().read_data(plan, planner)
 
     return SafeReader(str(path))
 
 
+def _verify_bytes(path: Path | str, name: str, raw: bytes, checksums: dict[str, str]) -> None:
+    expected = checksums.get(name, "(not recorded)")
+    found = _checksum.hexdigest(_checksum.crc_bytes(raw))
+    if found != expected:
+        raise _checksum.ChecksumError(path, name, expected, found)
+
+
+def verify_file(path: Path | str, name: str, checksums: dict[str, str]) -> None:
+    """Refuse the file ``name`` of ``path`` unless its bytes have the checksum the manifest records."""
+    expected = checksums.get(name, "(not recorded)")
+    try:
+        found = _checksum.crc_of(_join(path, name))
+    except FileNotFoundError:
+        found = "(file missing)"
+    if found != expected:
+        raise _checksum.ChecksumError(path, name, expected, found)
+
+
 def writer(path: Path | str) -> Any:
     """DCP's writer for a directory, or ``FsspecWriter`` for a store prefix (an object is durable once its
-    upload completes, so no fsync)."""
-    if isinstance(path, str):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    upload completes, so no fsync), computing each file's checksum as it is written (see :mod:`._dcp_sums`)."""
+    from stratagem.checkpoint import _dcp_sums
 
-        # Four files per rank, uploaded by four threads: one stream per rank would send its parts one by one.
-        return FsspecWriter(path, sync_files=False, thread_count=4)
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    return FileSystemWriter(str(path))
+    return _dcp_sums.writer(path)
 
 
 def _load_plain(value: io.BytesIO) -> Any:

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _dcp, _read
+from stratagem.checkpoint import _dcp, _read, _verify
+from stratagem.checkpoint._checksum import ChecksumError
 from stratagem.checkpoint._ranks import _distributed, _single_process_quiet
 from stratagem.checkpoint._read import Source
 from stratagem.checkpoint._state_layout import (
@@ -28,9 +29,15 @@ def load(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -
     """Load on every rank: fill ``state``'s modules, optimizers and stateful objects; return the rest."""
     source = _read.source(path)
     parts = classify(state)
-    if source.format() == "full":
-        return _load_full(strategy, source, parts, strict)
-    return _load_sharded(strategy, source, parts, strict)
+    try:
+        if source.format() == "full":
+            return _load_full(strategy, source, parts, strict)
+        return _load_sharded(strategy, source, parts, strict)
+    except ChecksumError as error:
+        # Each rank verifies the files it reads; the advice names the newest checkpoint beside this one that
+        # verifies, so that the user (or ckpt_path="last", which skips this one) can go on from there.
+        advice = _verify.advice(source.location)
+        raise ChecksumError(error.path, error.file, error.expected, error.found, advice) from error
 
 
 def _expected_shapes(strategy: Any, module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -165,17 +172,20 @@ def _load_full(strategy: Any, source: Source, parts: Parts, strict: bool) -> dic
     return _restore_plain(strategy, parts, payload.get("state", {}), strict, path)
 
 
-def saved_tensor_shapes(path: Path | str) -> dict[str, tuple[int, ...]]:
-    """Flattened key -> global shape of every tensor in a DCP directory, from its index alone."""
-    return _dcp.tensor_shapes(_dcp.read_metadata(path))
+def saved_tensor_shapes(path: Path | str, checksums: _dcp.Checksums = None) -> dict[str, tuple[int, ...]]:
+    """Flattened key -> global shape of every tensor in a DCP directory, from its index alone (verified against
+    ``checksums``, if given)."""
+    return _dcp.tensor_shapes(_dcp.read_metadata(path, checksums=checksums))
 
 
 def _load_sharded(strategy: Any, source: Source, parts: Parts, strict: bool) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     path = source.location
-    data = source.data(source.metadata())
-    shapes = saved_tensor_shapes(data.location)
+    meta = source.metadata()
+    data = source.data(meta)
+    checksums = _read.file_checksums(meta)
+    shapes = saved_tensor_shapes(data.location, checksums)
     target: dict[str, Any] = {"model": {}, "optimizers": {}}
     dropped: dict[int, set[str]] = {}
     kept: dict[str, dict[str, Any]] = {}
@@ -208,13 +218,18 @@ def _load_sharded(strategy: Any, source: Source, parts: Parts, strict: bool) -> 
         with _single_process_quiet():
             dcp.load(
                 target,
-                storage_reader=_dcp.safe_reader(data.location),
+                storage_reader=_dcp.safe_reader(data.location, checksums),
                 planner=_dcp.safe_load_planner(allow_partial_load=not strict),
                 no_dist=not _distributed(),
             )
+    except ChecksumError:
+        raise
     except CheckpointError as error:
         raise CheckpointError(path, error.problem) from error
     except _dcp.ERRORS as error:
+        failure = _dcp.checksum_failure(error)
+        if failure is not None:
+            raise failure from error
         raise CheckpointError(path, f"could not be read: {_dcp.describe(error)}") from error
     for key, module in parts.modules.items():
         if key in target["model"]:
@@ -240,4 +255,4 @@ def _load_sharded(strategy: Any, source: Source, parts: Parts, strict: bool) -> 
                 target["optimizers"][key],
                 full=False,
             )
-    return _restore_plain(strategy, parts, data.read_state(), strict, path)
+    return _restore_plain(strategy, parts, data.read_state(checksums), strict, path)

@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from stratagem.checkpoint import _atomic, _store
+from stratagem.checkpoint import _atomic, _checksum, _store
 from stratagem.checkpoint._state_layout import DATA_PREFIX, METADATA_FILE
 from stratagem.errors import CheckpointError
 
@@ -95,7 +95,7 @@ class LocalDestination:
         """Rank 0, once every rank's files are in ``staging``: the metadata, then the directory renamed into
         place (swapped with the previous one where the system can)."""
         try:
-            (staging / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+            (staging / METADATA_FILE).write_text(json.dumps(_checksum.seal(meta), indent=2))
         except Exception as error:
             raise _atomic.WriteError(_atomic.explain_write_failure(staging, error)) from error
         _atomic.publish_directory(staging, self.location)
@@ -103,6 +103,9 @@ class LocalDestination:
     def discard(self, staging: Path) -> None:
         """Rank 0, after a failure: remove what the save wrote."""
         _atomic.remove(staging)
+
+    def expect_crc32c(self, value: int) -> None:
+        """The checksum of the file being written, for a store to verify; a local disk has no use for it."""
 
 
 @attrs.frozen
@@ -112,6 +115,8 @@ class StoreDestination:
     single request that writes its manifest, naming that prefix."""
 
     location: str
+    #: The CRC32C of the scratch file being written, which its upload sends (see :meth:`expect_crc32c`).
+    _sums: dict[str, int] = attrs.field(factory=dict, init=False, eq=False)
 
     def prepare(self, fmt: str, staging: str | None = None) -> None:
         """Rank 0, before writing: refuse a missing bucket (stratagem never creates one) and a URL of the other
@@ -138,7 +143,7 @@ class StoreDestination:
         """Rank 0: a local scratch file to write a full checkpoint into; uploaded as the checkpoint's one object
         once written."""
         try:
-            with _store.upload(self.location) as file:
+            with _store.upload(self.location, self._sums) as file:
                 yield file
         except Exception as error:
             raise _atomic.WriteError(_store.describe_error(self.location, error)) from error
@@ -152,7 +157,7 @@ class StoreDestination:
     def staged_file(self, staging: str, name: str) -> Iterator[Path]:
         """Rank 0: a local scratch file, uploaded as the object ``name`` of the data prefix once written."""
         try:
-            with _store.upload(_store.join(staging, name)) as file:
+            with _store.upload(_store.join(staging, name), self._sums) as file:
                 yield file
         except Exception as error:
             raise _atomic.WriteError(_store.describe_error(self.location, error)) from error
@@ -166,7 +171,7 @@ class StoreDestination:
         checkpoint exists from that one request on), then the data prefixes it does not name are deleted (the
         previous version's, and those that crashed saves left)."""
         data_name = _store.name_of(staging)
-        manifest = json.dumps({**meta, "data": data_name}, indent=2).encode()
+        manifest = json.dumps(_checksum.seal({**meta, "data": data_name}), indent=2).encode()
         try:
             _store.write_bytes(_store.join(self.location, METADATA_FILE), manifest)
         except Exception as error:
@@ -180,6 +185,10 @@ class StoreDestination:
         deletes it)."""
         with contextlib.suppress(Exception):
             _store.remove_tree(staging)
+
+    def expect_crc32c(self, value: int) -> None:
+        """The whole scratch file's CRC32C, which its upload (at the end of the ``with`` block) sends."""
+        self._sums["crc32c"] = value
 
 
 #: What :func:`destination` returns: the steps of a save are the same methods on either.

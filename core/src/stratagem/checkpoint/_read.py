@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from stratagem.checkpoint import _atomic, _store
+from stratagem.checkpoint import _atomic, _checksum, _store
 from stratagem.checkpoint._state_layout import DATA_PREFIX, METADATA_FILE, STATE_FILE, check_metadata
 from stratagem.errors import CheckpointError
 
@@ -37,11 +37,21 @@ def read_json_metadata(directory: _store.Location) -> dict[str, Any]:
     return _at(directory).metadata()
 
 
-def read_sharded_state(path: _store.Location) -> dict[str, Any]:
-    """The plain state (``state.pt``) of a sharded checkpoint, read without running pickled code.
+def read_sharded_state(path: _store.Location, checksums: dict[str, str] | None = None) -> dict[str, Any]:
+    """The plain state (``state.pt``) of a sharded checkpoint, read without running pickled code; with
+    ``checksums`` (see :func:`file_checksums`), verified first.
 
     ``path``: the directory holding the DCP files (on a store, the data prefix the manifest names)."""
-    return _at(path).read_state()
+    return _at(path).read_state(checksums)
+
+
+def file_checksums(meta: dict[str, Any]) -> dict[str, str] | None:
+    """The checksums a sharded checkpoint's manifest records of its files, or None if it was written before
+    checkpoints recorded them."""
+    recorded = meta.get("checksums")
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("files"), dict):
+        return None
+    return {str(k): str(v) for k, v in recorded["files"].items()}
 
 
 def _at(location: _store.Location) -> Source:
@@ -65,12 +75,18 @@ class LocalSource:
         )
 
     def read_full(self) -> dict[str, Any]:
-        """A full checkpoint file, read without running any pickled code (its tensors mapped, not copied)."""
+        """A full checkpoint file, verified against its trailer's checksum, then read without running any pickled
+        code (its tensors mapped, not copied)."""
+        try:
+            expected, found = _checksum.full_file_status(self.location)
+        except OSError as error:
+            raise _unreadable(self.location, error) from error
+        _check_full(self.location, expected, found)
         try:
             payload = torch.load(self.location, map_location="cpu", weights_only=True, mmap=True)
         except Exception as error:
             raise _unreadable(self.location, error) from error
-        return _checked_payload(self.location, payload)
+        return _checked_payload(self.location, payload, expected is not None)
 
     def metadata(self) -> dict[str, Any]:
         """The ``stratagem.json`` of a sharded checkpoint, checked."""
@@ -91,13 +107,19 @@ class LocalSource:
         """Where the DCP files of a sharded checkpoint are: in its directory."""
         return self
 
-    def read_state(self) -> dict[str, Any]:
-        """The plain state (``state.pt``) beside the DCP files, or ``{}`` if there is none."""
+    def read_state(self, checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """The plain state (``state.pt``) beside the DCP files, or ``{}`` if there is none (unless ``checksums``
+        names one); verified against ``checksums``, if given."""
         file = self.location / STATE_FILE
         try:
-            if not file.exists():
+            if not file.exists() and STATE_FILE not in (checksums or {}):
                 return {}
-            saved = torch.load(file, map_location="cpu", weights_only=True)
+            raw = file.read_bytes()
+        except OSError as error:
+            raise _refused_state(self.location, error) from error
+        _check_state(self.location, raw, checksums)
+        try:
+            saved = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as error:
             raise _refused_state(self.location, error) from error
         return _checked_state(self.location, saved)
@@ -140,11 +162,19 @@ class StoreSource:
     def read_full(self) -> dict[str, Any]:
         """A full checkpoint object, read without running any pickled code."""
         try:
-            raw = io.BytesIO(_store.read_bytes(self.location))
-            payload = torch.load(raw, map_location="cpu", weights_only=True)
+            data = _store.read_bytes(self.location)
         except Exception as error:
             raise _unreadable(self.location, error) from error
-        return _checked_payload(self.location, payload)
+        expected = _checksum.parse_trailer(data[-_checksum.TRAILER_SIZE :], len(data))
+        found = None
+        if expected is not None:
+            found = _checksum.hexdigest(_checksum.crc_bytes(memoryview(data)[: -_checksum.TRAILER_SIZE]))
+        _check_full(self.location, expected, found)
+        try:
+            payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise _unreadable(self.location, error) from error
+        return _checked_payload(self.location, payload, expected is not None)
 
     def metadata(self) -> dict[str, Any]:
         """The manifest of a sharded checkpoint (``stratagem.json``, written last), checked."""
@@ -167,13 +197,20 @@ class StoreSource:
             )
         return StoreSource(_store.join(self.location, data))
 
-    def read_state(self) -> dict[str, Any]:
-        """The plain state (``state.pt``) of a data prefix, or ``{}`` if there is none."""
+    def read_state(self, checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """The plain state (``state.pt``) of a data prefix, or ``{}`` if there is none (unless ``checksums``
+        names one); verified against ``checksums``, if given."""
         try:
             try:
                 raw = _store.read_bytes(_store.join(self.location, STATE_FILE))
             except FileNotFoundError:
+                if STATE_FILE in (checksums or {}):
+                    raise
                 return {}
+        except Exception as error:
+            raise _refused_state(self.location, error) from error
+        _check_state(self.location, raw, checksums)
+        try:
             saved = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as error:
             raise _refused_state(self.location, error) from error
@@ -197,10 +234,41 @@ def _unreadable(location: _store.Location, error: BaseException) -> CheckpointEr
     )
 
 
-def _checked_payload(location: _store.Location, payload: Any) -> dict[str, Any]:
+def _check_full(location: _store.Location, expected: str | None, found: str | None) -> None:
+    """Refuse a full file whose bytes are not those its trailer's checksum was computed from."""
+    if expected is None:
+        return
+    if expected.startswith("?"):
+        raise _checksum.ChecksumError(
+            location,
+            _store.name_of(location),
+            expected[1:],
+            "a file of another length (truncated or extended)",
+        )
+    if found != expected:
+        raise _checksum.ChecksumError(location, _store.name_of(location), expected, str(found))
+
+
+def _check_state(location: _store.Location, raw: bytes, checksums: dict[str, str] | None) -> None:
+    if checksums is None:
+        return
+    expected = checksums.get(STATE_FILE, "(not recorded)")
+    found = _checksum.hexdigest(_checksum.crc_bytes(raw))
+    if found != expected:
+        raise _checksum.ChecksumError(location, STATE_FILE, expected, found)
+
+
+def _checked_payload(location: _store.Location, payload: Any, trailer: bool = True) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise CheckpointError(location, "holds no stratagem checkpoint (the top level is not a dict).")
-    check_metadata(payload.get("stratagem"), location)
+    meta = check_metadata(payload.get("stratagem"), location)
+    if not trailer and meta.get("checksum") == _checksum.TRAILER_KIND:
+        raise _checksum.ChecksumError(
+            location,
+            _store.name_of(location),
+            "a checksum trailer",
+            "none (the file was truncated or altered)",
+        )
     return payload
 
 
@@ -217,7 +285,10 @@ def _parsed_metadata(location: _store.Location, text: str) -> dict[str, Any]:
         meta = json.loads(text)
     except ValueError as error:
         raise CheckpointError(location, f"{METADATA_FILE} is unreadable: {error}") from error
-    return check_metadata(meta, location)
+    # The version first: a newer stratagem may record its checksums otherwise, and says "upgrade", not "corrupt".
+    check_metadata(meta, location)
+    _checksum.check_seal(location, meta, METADATA_FILE)
+    return meta
 
 
 def _refused_state(location: _store.Location, error: BaseException) -> CheckpointError:

@@ -103,11 +103,11 @@ def _save_sharded(
                 strategy, destination, staging, parts, tensors, plain, meta, on_published
             )
         with agreement:
-            _write.shards(destination, staging, tensors)
+            sums = _write.shards(destination, staging, tensors)
         with agreement:
             if strategy.is_global_zero:
-                _write.plain_state(destination, staging, plain)
-                destination.publish(staging, meta)
+                sums.update(_write.plain_state(destination, staging, plain))
+                destination.publish(staging, {**meta, **_write.manifest_checksums(sums)})
         if on_published is not None:
             on_published()
         return None

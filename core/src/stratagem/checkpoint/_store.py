@@ -9,9 +9,13 @@ fsspec and the store's package are imported on first use of a URL only, never at
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import difflib
+import errno
+import logging
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,8 +86,45 @@ def name_of(loc: Location) -> str:
     return loc.name if isinstance(loc, Path) else loc.rstrip("/").rsplit("/", 1)[-1]
 
 
+#: Where the store clients say that they retry a request (at DEBUG): botocore per request (HTTP 500/503,
+#: throttling, connection errors), s3fs around a whole call (timeouts, dropped connections, SlowDown).
+_RETRY_LOGGERS = (
+    "botocore.retryhandler",
+    "botocore.retries.standard",
+    "aiobotocore.retries.standard",
+    "s3fs",
+)
+_RETRY_TEXTS = ("Retry needed", "Retryable error")
+_log = logging.getLogger("stratagem.checkpoint")
+
+
+class _RetryNotice(logging.Filter):
+    """Turns each retry a store client notes at DEBUG into one WARNING line of stratagem's, and lets through
+    only what the client's logger let through before (its level is lowered to DEBUG to see the retries)."""
+
+    def __init__(self, passed: int) -> None:
+        super().__init__()
+        self.passed = passed
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text.startswith(_RETRY_TEXTS) and "quota reached" not in text:
+            _log.warning("stratagem: object store request failed, retrying (%s: %s)", record.name, text)
+        return record.levelno >= self.passed
+
+
+def _watch_retries() -> None:
+    for name in _RETRY_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RetryNotice) for f in logger.filters):
+            logger.addFilter(_RetryNotice(logger.getEffectiveLevel()))
+            logger.setLevel(logging.DEBUG)
+
+
 def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec file system serving ``url`` and the path inside it. Missing packages raise with the extra."""
+    """The fsspec file system serving ``url`` and the path inside it. Missing packages raise with the extra.
+    Every retry of a request the store's client makes is logged once, as a warning (:class:`_RetryNotice`)."""
+    _watch_retries()
     scheme = scheme_of(url) or ""
     package, extra = SCHEMES.get(scheme, (None, None))
     try:
@@ -133,11 +174,20 @@ def check_bucket(url: str) -> None:
     fs, path = filesystem(url)
     bucket = path.split("/", 1)[0]
     fs.invalidate_cache()
-    if not fs.exists(bucket):
-        raise CheckpointError(
-            url,
-            f"the bucket {bucket!r} does not exist: create it (stratagem does not create buckets) or fix the URL.",
-        )
+    if hasattr(fs, "call_s3"):
+        # s3fs's exists() answers False for any failure of its probes: a store that refuses every request would
+        # read as a missing bucket. Its HEAD raises the store's own error instead (FileNotFoundError: none).
+        try:
+            fs.call_s3("head_bucket", Bucket=bucket)
+            return
+        except FileNotFoundError:
+            pass
+    elif fs.exists(bucket):
+        return
+    raise CheckpointError(
+        url,
+        f"the bucket {bucket!r} does not exist: create it (stratagem does not create buckets) or fix the URL.",
+    )
 
 
 def read_bytes(url: str) -> bytes:
@@ -184,17 +234,50 @@ def remove_object(url: str) -> None:
 
 
 @contextlib.contextmanager
-def upload(url: str) -> Iterator[Path]:
+def upload(url: str, sums: dict[str, int] | None = None) -> Iterator[Path]:
     """Yield a local scratch file; on success it becomes the object ``url`` in one upload.
 
     fsspec's ``put_file`` sends a single PUT or a multipart upload completed only at its end (aborted on
     error), so the object never exists half-written, whatever happens to this process. The scratch file is
     named after this process, so that a save after this one was killed removes it (see stratagem.checkpoint._scratch).
+    ``sums``: filled by the writer with the file's ``"crc32c"``, which a single PUT to S3 sends for the store
+    to verify on receipt (:func:`checksum_arguments`).
     """
     with _scratch.file("upload") as scratch:
-        yield scratch
+        try:
+            yield scratch
+        except Exception as error:
+            code = getattr(error, "errno", None)
+            free = shutil.disk_usage(scratch.parent).free
+            # torch's writer reports a full disk as "unexpected pos" (no errno): a nearly full disk tells.
+            if code not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) and not (
+                code is None and free < 1 << 20
+            ):
+                raise
+            written = scratch.stat().st_size if scratch.exists() else 0
+            raise OSError(
+                code or errno.ENOSPC,
+                f"the local scratch file {scratch}, written before the upload, did not fit ({error}; {written} "
+                f"bytes written, {free} bytes free). Free space in {scratch.parent} or point TMPDIR elsewhere; "
+                "the scratch file was removed and nothing was uploaded.",
+            ) from error
         fs, path = filesystem(url)
-        fs.put_file(str(scratch), path)
+        extra = checksum_arguments(url, scratch.stat().st_size, (sums or {}).get("crc32c"))
+        fs.put_file(str(scratch), path, **extra)
+
+
+def checksum_arguments(url: str, size: int, crc32c: int | None) -> dict[str, str]:
+    """``ChecksumCRC32C`` for an upload to S3 that s3fs sends as one PUT: S3 refuses the object (BadDigest)
+    unless its bytes have that checksum. A multipart upload's parts are checked by botocore's own default
+    checksum (CRC32 per part) instead; other stores get nothing extra."""
+    if crc32c is None or scheme_of(url) not in ("s3", "s3a"):
+        return {}
+    from s3fs.core import calculate_chunksize
+
+    if size >= min(5 * 2**30, 2 * calculate_chunksize(size)):
+        return {}
+    # S3's header value: base64 of the CRC32C's big-endian bytes.
+    return {"ChecksumCRC32C": base64.b64encode(crc32c.to_bytes(4, "big")).decode()}
 
 
 def describe_error(url: str, error: BaseException) -> str:

@@ -1,5 +1,5 @@
-"""``stratagem checkpoint inspect PATH``, ``stratagem checkpoint consolidate DIR FILE`` and ``stratagem checkpoint
-export CKPT OUT`` (:mod:`stratagem.cli.checkpoint_export`)."""
+"""``stratagem checkpoint inspect PATH``, ``stratagem checkpoint verify PATH...``, ``stratagem checkpoint
+consolidate DIR FILE`` and ``stratagem checkpoint export CKPT OUT`` (:mod:`stratagem.cli.checkpoint_export`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,12 @@ def _build(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", help="a full checkpoint file or a sharded checkpoint directory")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--limit", type=int, default=50, help="tensors to list (default 50; 0 for all)")
+    p = actions.add_parser(
+        "verify",
+        help="check every file of one or more checkpoints against the checksums they recorded "
+        "(exit 1 on any mismatch)",
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint files, directories or store URLs")
     p = actions.add_parser(
         "consolidate", help="write a sharded checkpoint as one full checkpoint file (offline, one process)"
     )
@@ -104,6 +110,28 @@ def _plugin_consolidation(source: str) -> Any:
     return function
 
 
+def _verify(paths: list[str]) -> int:
+    """Each checkpoint's files, one line each, and a verdict per checkpoint; 1 if any failed."""
+    from stratagem.checkpoint import _verify as verification
+
+    failed = 0
+    for path in paths:
+        report = verification.verify(path)
+        for check in report.files:
+            print(f"  {check.describe()}")
+        if not report.passed:
+            verdict = "FAILED"
+            failed += 1
+        elif not report.checksummed:
+            verdict = "no checksums (written before checkpoints recorded them; loads unverified)"
+        else:
+            verdict = "ok"
+        print(f"{report.path}: {verdict}")
+    if len(paths) > 1:
+        print(f"{len(paths) - failed} of {len(paths)} checkpoint(s) passed")
+    return 1 if failed else 0
+
+
 @cli.command("checkpoint")
 def _checkpoint(args: argparse.Namespace) -> int:
     from stratagem.checkpoint import _offline
@@ -115,6 +143,8 @@ def _checkpoint(args: argparse.Namespace) -> int:
         else:
             _print_report(report, args.limit)
         return 0
+    if args.checkpoint_command == "verify":
+        return _verify(args.paths)
     if args.checkpoint_command == "export":
         from stratagem.cli import checkpoint_export
 

@@ -21,6 +21,7 @@ from stratagem.trainer._run_dir import (
     LAST_POINTER,
     checkpoint_name,
     find_last_checkpoint,
+    find_verified_checkpoint,
     pointer_directory,
     prune,
     publish_last,
@@ -188,8 +189,15 @@ class CheckpointManager:
         return _store.location(newest)
 
     def _newest_under(self, directory: Path | str) -> Path | str | None:
-        found = find_last_checkpoint(directory) if self._engine.is_global_zero else None
+        """The newest complete checkpoint under ``directory`` that verifies (rank 0 checks, every rank gets it);
+        newer ones that fail verification are skipped, in one line, and kept."""
+        found, skipped = find_verified_checkpoint(directory) if self._engine.is_global_zero else (None, [])
         found = self._engine.broadcast(None if found is None else str(found), 0)
+        if skipped:
+            self._console.print(
+                f"stratagem: skipped {len(skipped)} checkpoint(s) that fail verification (kept, not deleted): "
+                f"{'; '.join(skipped)}; resuming from {found or 'the start'}."
+            )
         if found is None:
             self._console.print(f"No checkpoint under {directory}: training from the start.")
             return None

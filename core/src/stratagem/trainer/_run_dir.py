@@ -63,6 +63,28 @@ def find_last_checkpoint(directory: Location) -> Location | None:
     return candidates[-1][1] if candidates else None
 
 
+def find_verified_checkpoint(directory: Location) -> tuple[Location | None, list[str]]:
+    """The newest complete checkpoint of ``directory`` that verifies against its checksums (``last`` first, as
+    :func:`find_last_checkpoint`), and a line for each newer one skipped because it does not. Nothing is
+    deleted."""
+    from stratagem.checkpoint._verify import steps_newest_first, verify
+
+    first = find_last_checkpoint(directory)
+    if first is None:
+        return None, []
+    ordered = [first] + [c for c in steps_newest_first(directory) if str(c) != str(first)]
+    skipped = []
+    for candidate in ordered:
+        if not is_complete(candidate):
+            continue
+        report = verify(candidate)
+        if report.passed:
+            return candidate, skipped
+        failure = report.first_failure()
+        skipped.append(f"{_store.name_of(candidate)} ({failure.describe() if failure else 'fails'})")
+    return None, skipped
+
+
 def pointer_directory(path: Location) -> Location | None:
     """The run directory whose ``last`` pointer ``path`` is; None when ``path`` is not such a pointer (a
     checkpoint that happens to be named ``last``, say)."""

@@ -103,13 +103,25 @@ def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None
     try:
         plain, error = _attempt(_gather_per_rank, strategy, local)
         _agree(strategy, target, error)
+        sums: dict[str, str] = {}
         for key, (engine, optimizer_key) in sorted(engines.items()):
             # Every rank writes its own partitions; DeepSpeed synchronises the ranks itself.
-            _, error = _attempt(_save_engine, engine, tmp, key, optimizer_key is not None)
+            written, error = _attempt(_save_engine, engine, tmp, key, optimizer_key is not None)
             _agree(strategy, target, error)
+            sums.update(written or {})
+        every = _every_rank(sums)
 
         def write_rest() -> None:
-            torch.save(plain, tmp / STATE_FILE)
+            with open(tmp / STATE_FILE, "wb") as raw:
+                summing = layouts.Summing(raw)
+                torch.save(plain, summing)
+            every[STATE_FILE] = layouts.hexdigest(summing.value)
+            for file in sorted(
+                tmp.rglob("*")
+            ):  # what DeepSpeed writes besides its checkpoint engine (a script)
+                name = file.relative_to(tmp).as_posix()
+                if file.is_file() and name not in every:
+                    every[name] = layouts.crc_of(file)
             extra = {
                 "layout": LAYOUT,
                 "deepspeed_version": _deepspeed_version(),
@@ -121,8 +133,8 @@ def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None
                 "loading": "DeepSpeed's files are read weights-only, with only LossScaler, ZeroStageEnum and "
                 "fragment_address allowed besides tensors and builtins.",
             }
-            meta = metadata(strategy, "sharded", parts, extra)
-            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+            meta = {**metadata(strategy, "sharded", parts, extra), **layouts.manifest_checksums(every)}
+            (tmp / METADATA_FILE).write_text(json.dumps(layouts.seal(meta), indent=2))
             layouts.fsync_tree(tmp)
             layouts.publish_directory(tmp, target)
 
@@ -135,11 +147,38 @@ def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None
         raise
 
 
-def _save_engine(engine: Any, directory: Path, tag: str, with_optimizer: bool) -> None:
-    with _quiet():
-        engine.save_checkpoint(
-            str(directory), tag=tag, client_state={}, save_latest=False, exclude_frozen_parameters=False
-        )
+def _save_engine(engine: Any, directory: Path, tag: str, with_optimizer: bool) -> dict[str, str]:
+    """This rank's files of the engine's checkpoint, each file's CRC32C computed as DeepSpeed's checkpoint
+    engine writes it (its ``save`` is replaced for the call: it is DeepSpeed's one way to write a file)."""
+    sums: dict[str, str] = {}
+    writer = engine.checkpoint_engine
+
+    def save(state_dict: Any, path: str) -> None:
+        with open(path, "wb") as raw:
+            summing = layouts.Summing(raw)
+            torch.save(state_dict, summing)
+        sums[Path(path).relative_to(directory).as_posix()] = layouts.hexdigest(summing.value)
+
+    writer.save = save
+    try:
+        with _quiet():
+            engine.save_checkpoint(
+                str(directory), tag=tag, client_state={}, save_latest=False, exclude_frozen_parameters=False
+            )
+    finally:
+        del writer.save
+    return sums
+
+
+def _every_rank(sums: dict[str, str]) -> dict[str, str]:
+    """Every rank's file checksums, on every rank."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return dict(sums)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sums)
+    return {name: value for per_rank in gathered for name, value in per_rank.items()}
 
 
 def _stage(engine: Any) -> int:
@@ -163,6 +202,9 @@ def _deepspeed_version() -> str:
 def load_sharded(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
     source = layouts.recover(Path(path))
     meta = read_metadata(source)
+    # Every rank checks every file before DeepSpeed reads any (its loader reads whichever partitions it needs).
+    _, error = _attempt(layouts.verify_files, source, meta)
+    _agree(strategy, source, error)
     parts = classify(state)
     plan, error = _attempt(_loading_plan, parts)
     _agree(strategy, source, error)

@@ -1,0 +1,146 @@
+"""What checksums cost (issue 41): a save with the CRC32C of every file computed as it is written against the same
+save with the summing turned off, and a load that verifies every file against the same load unchecked; for a full
+checkpoint in one process and a sharded one on 2 processes, same state, paired runs in alternated order.
+
+Goals: verification adds at most 5% to a load, checksumming at most 3% to a save.
+
+"Off" is the same code with the checksum functions replaced in this process (the bytes written and read are the
+same; only the summing and the comparisons are skipped), so the difference is what checksums cost and nothing
+else. Each pair's ratio (on / off - 1) is printed as a median with its interquartile range.
+
+    python benchmarks/checkpoint_integrity.py [--megabytes 500] [--repeats 7] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "tests"))
+import ckpt_workers as W
+from _common import table
+
+import stratagem as sg
+
+
+class Big(torch.nn.Module):
+    def __init__(self, megabytes: int, layers: int = 16) -> None:
+        super().__init__()
+        width = int((megabytes * 2**20 / 4 / layers) ** 0.5)
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+
+@contextlib.contextmanager
+def checks_off() -> Iterator[None]:
+    """The same save and load without summing or comparing (this process only)."""
+    from stratagem.checkpoint import _checksum, _dcp, _read
+
+    saved = (
+        _checksum.extend,
+        _checksum.full_file_status,
+        _dcp.verify_file,
+        _dcp._verify_bytes,
+        _read._check_state,
+    )
+    _checksum.extend = lambda value, data: value
+    _checksum.full_file_status = lambda location: ("off", "off")
+    _dcp.verify_file = _dcp._verify_bytes = _read._check_state = lambda *args: None
+    try:
+        yield
+    finally:
+        (
+            _checksum.extend,
+            _checksum.full_file_status,
+            _dcp.verify_file,
+            _dcp._verify_bytes,
+            _read._check_state,
+        ) = saved
+
+
+def _pairs(engine: sg.Engine, path: Path, fmt: str, megabytes: int, repeats: int) -> dict[str, list[float]]:
+    """Per pair, on/off - 1 for a save and for a load (first pair a warm-up, dropped)."""
+    # The sharding test strategy shards the state dicts itself (ckpt_workers.ShardingTestStrategy).
+    torch.manual_seed(0)
+    model, target = Big(megabytes), Big(megabytes)
+    out: dict[str, list[float]] = {"save": [], "load": [], "save_s": [], "load_s": []}
+    for i in range(repeats + 1):
+        times: dict[tuple[str, bool], float] = {}
+        for on in (True, False) if i % 2 == 0 else (False, True):
+            with contextlib.nullcontext() if on else checks_off():
+                engine.barrier()
+                start = time.perf_counter()
+                engine.save(path, {"model": model}, format=fmt)
+                engine.barrier()
+                times["save", on] = time.perf_counter() - start
+                start = time.perf_counter()
+                engine.load(path, {"model": target})
+                engine.barrier()
+                times["load", on] = time.perf_counter() - start
+        if i == 0:
+            continue
+        for op in ("save", "load"):
+            out[op].append(times[op, True] / times[op, False] - 1)
+            out[f"{op}_s"].append(times[op, False])
+    return out
+
+
+def _sharded_worker(
+    engine: sg.Engine, directory: str, megabytes: int, repeats: int
+) -> dict[str, list[float]]:
+    return _pairs(engine, Path(directory) / "two-sharded", "sharded", megabytes, repeats)
+
+
+def _row(name: str, ratios: list[float], seconds: list[float], goal: float) -> list[object]:
+    q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    median = statistics.median(ratios)
+    verdict = "met" if median <= goal else "NOT met"
+    return [
+        name,
+        f"{statistics.median(seconds) * 1000:.0f} ms",
+        f"{median * 100:+.1f}% (IQR {q1 * 100:+.1f} to {q3 * 100:+.1f})",
+        f"<= {goal * 100:.0f}%: {verdict}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--megabytes", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--dir", default=None, help="where the checkpoints go (default: a temporary directory)"
+    )
+    args = parser.parse_args()
+    from stratagem.checkpoint import _checksum
+
+    data = torch.randn(64 * 2**20).numpy().tobytes()  # 256 MiB
+    start = time.perf_counter()
+    _checksum.extend(0, data)
+    rate = len(data) / (time.perf_counter() - start) / 1e9
+    native = "bundled crc32c_extend via ctypes" if _checksum._EXTEND is not None else "Python API (copies)"
+    print(f"CRC32C on one core: {rate:.1f} GB/s ({native})")
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+        single = sg.Engine(strategy="single_device", accelerator="cpu")
+        full = _pairs(single, Path(scratch) / "one.ckpt", "full", args.megabytes, args.repeats)
+        rows.append(_row(f"full {args.megabytes} MB, 1 process: save", full["save"], full["save_s"], 0.03))
+        rows.append(_row(f"full {args.megabytes} MB, 1 process: load", full["load"], full["load_s"], 0.05))
+        engine = sg.Engine(strategy=W.ShardingTestStrategy(), accelerator="cpu", devices=2, timeout=1200)
+        two = engine.launch(_sharded_worker, scratch, args.megabytes, args.repeats)
+        rows.append(_row(f"sharded {args.megabytes} MB, 2 processes: save", two["save"], two["save_s"], 0.03))
+        rows.append(_row(f"sharded {args.megabytes} MB, 2 processes: load", two["load"], two["load_s"], 0.05))
+    print(table(rows, ["case", "time, checks off (median)", "checks on vs off (median, IQR)", "goal"]))
+
+
+if __name__ == "__main__":
+    main()
