@@ -94,6 +94,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         self._strategy_options: dict[str, Any] = {}  # a name's options, "fsdp_tp[tensor_parallel_size=2]"
         self._strategy_info, self._strategy = self._resolve_strategy(strategy)
         self._launcher_choice = launcher
+        self._always_launch = self._source is None and self._launcher_always_launches(launcher)
         if self.needs_launch:
             # Checked before anything starts: the name exists, and it can run this request.
             self._launcher = self._resolve_launcher(launcher, dict(launcher_options or {}))

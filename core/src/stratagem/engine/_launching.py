@@ -24,6 +24,9 @@ class Launching:
     _config: dict[str, Any]
     _source: str | None
     _launcher: Any
+    _always_launch: bool
+    _strategy_info: Any
+    _strategy_options: dict[str, Any]
 
     def setup_environment(self) -> None:  # the Engine's
         raise NotImplementedError
@@ -57,6 +60,20 @@ class Launching:
         except TypeError as error:  # an option the launcher's constructor does not take
             raise ConfigurationError(f"launcher_options for launcher {name!r}: {error}.") from error
 
+    def _launcher_always_launches(self, launcher: Any) -> bool:
+        """Whether the launcher this run names declares ``always_launches``: a run of one process per node is
+        then launched through it too (its launch starts more than one world: replica groups)."""
+        from stratagem.launchers.launcher import Launcher
+
+        if isinstance(launcher, Launcher):
+            info = _registration(launcher)
+        elif isinstance(launcher, str):
+            name = os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER if launcher == "auto" else launcher
+            info = get_registry().launchers.get(name)  # an unknown name is refused where it is resolved
+        else:
+            return False
+        return info is not None and bool(info.capabilities.always_launches)
+
     def _launcher_starts_all_nodes(self) -> bool:
         info = _registration(self._launcher)
         return info is not None and bool(info.capabilities.starts_all_nodes)
@@ -76,8 +93,16 @@ class Launching:
             accelerator=self.accelerator,
             env=_worker_start.worker_environment(self.accelerator, fields.pop("env", None), self.devices),
             max_restarts=self.max_restarts,
+            **self._job_strategy(),
             **fields,
         )
+
+    def _job_strategy(self) -> dict[str, Any]:
+        """The strategy's name and options for the job, when the Engine was given a name (an instance does not
+        say its options)."""
+        if not isinstance(self._config["strategy"], str) or self._strategy_info is None:
+            return {}
+        return {"strategy": self._strategy_info.name, "strategy_options": dict(self._strategy_options)}
 
     def supervise(self, **job: Any) -> None:
         """Re-run this very command in the workers, then end this process with their status (it only
@@ -91,8 +116,9 @@ class Launching:
 
     @property
     def needs_launch(self) -> bool:
-        """True in the process the user started when more than one process is wanted and none exist yet."""
-        return self._source is None and self.world_size_requested > 1
+        """True in the process the user started when more than one process is wanted and none exist yet, or
+        when its launcher declares ``always_launches`` (replica groups of one process each)."""
+        return self._source is None and (self.world_size_requested > 1 or self._always_launch)
 
     def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
         """Run ``fn(engine, *args)`` in every process and return rank 0's result.
