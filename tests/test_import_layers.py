@@ -55,7 +55,7 @@ PLUGIN_LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("_sections",),
         ("_config", "_optimizers"),
         ("_state", "_wrappers", "_offline"),
-        ("_checkpoint",),
+        ("_checkpoint", "_hf"),
         ("strategy",),
         ("",),
     ],

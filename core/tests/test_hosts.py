@@ -128,6 +128,24 @@ def test_the_check_after_a_test_names_what_it_left_and_kills_it(stratagem_hosts:
     with pytest.raises(LeftBehindError, match=rf"{left.pid} \(h1: .*sleep 303\)"):
         stratagem_hosts.check(grace=0.5)
     assert left.wait(timeout=10) == -9 and stratagem_hosts.left_behind(0) == {}
+    # A daemon's helper, counted as the daemon, is not left behind.
+    helper = stratagem_hosts[0].popen(["sleep", "306"])
+    stratagem_hosts[0].add_daemon(helper.pid)
+    stratagem_hosts.check(grace=0.5)
+    helper.kill()
+    helper.wait(timeout=10)
+    # A scratch entry of stratagem's in a host's temporary folder (a run that did not clean up after itself).
+    h0 = stratagem_hosts[0]
+    h0.run(["sh", "-c", 'mkdir "$TMPDIR"/stratagem-agent-x && touch "$TMPDIR"/other'], timeout=10, check=True)
+    assert stratagem_hosts.scratch_left() == ["h0: stratagem-agent-x"]
+    with pytest.raises(
+        LeftBehindError, match=r"scratch in the hosts' temporary folders .*h0: stratagem-agent-x"
+    ):
+        stratagem_hosts.check(grace=0.5)
+    assert (
+        stratagem_hosts.scratch_left() == [] and (h0.local / "other").exists()
+    )  # not stratagem's: left alone
+    (h0.local / "other").unlink()
 
 
 def test_teardown_removes_namespaces_links_and_processes(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -337,6 +338,7 @@ def main(argv: list[str]) -> None:
         result["rank"] = trainer.engine.rank
         result["strategy"] = trainer.strategy.name
         result["node_id"] = _ray_node_id()
+        result["host"] = socket.gethostname()  # where this rank ran (a host of the tests across hosts)
         results.append(result)
     # The engine's rank: under srun only SLURM_PROCID says it.
     rank = results[-1]["rank"] if results else int(os.environ.get("RANK", "0"))

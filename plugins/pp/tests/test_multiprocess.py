@@ -22,7 +22,9 @@ import stratagem as sg
 from stratagem.errors import WorkerFailedError
 
 TOL = 1e-5
-LLAMA_TOL = 1e-4
+# The Llama's attention and RMSNorm in float32 sum in another order per micro-batch than the one-process
+# reference: 1.3e-4 was measured on the CI machine (1e-4 here); an untrained model is 0.87 away.
+LLAMA_TOL = 5e-4
 HERE = Path(__file__).parent
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 

@@ -27,3 +27,8 @@ def register_callbacks(register: Callable[..., None]) -> None:
         "stratagem.callbacks._run_metrics:Throughput",
         description="log samples per second across ranks",
     )
+    register(
+        "hf_export",
+        "stratagem.callbacks._hf_export_callback:HFExport",
+        description="write the model as a Hugging Face folder at the end of fit (default_root_dir/hf/final)",
+    )

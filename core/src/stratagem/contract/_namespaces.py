@@ -74,6 +74,18 @@ def processes(inodes: set[int]) -> dict[int, tuple[int, str]]:
     return found
 
 
+def wait_entered(process: subprocess.Popen, inode: int, timeout: float = 10.0) -> None:
+    """Wait until ``process`` runs in the namespace ``inode`` (or has ended, or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if os.stat(f"/proc/{process.pid}/ns/net").st_ino == inode:
+                return
+        except OSError:
+            return
+        time.sleep(0.01)
+
+
 def kill_pids(pids: Iterable[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):

@@ -119,6 +119,8 @@ class Host:
         self.hosts._started.append(process)
         if daemon:
             self.hosts._daemons.add(process.pid)
+        # Not on the host until nsenter has entered its namespace: a check made before would not see it.
+        ns.wait_entered(process, self.hosts._inodes[self.namespace])
         return process
 
     def run(
@@ -146,6 +148,11 @@ class Host:
         if check:
             done.check_returncode()
         return done
+
+    def add_daemon(self, pid: int) -> None:
+        """Count process ``pid`` on this host as a daemon (see :meth:`popen`): a helper that a daemon forked
+        (``slurmctld``'s ``slurmscriptd``), or a service that a command left running when it returned."""
+        self.hosts._daemons.add(pid)
 
     def pids(self) -> dict[int, str]:
         """``{pid: command}`` of every live process on this host."""
@@ -322,17 +329,43 @@ class Hosts:
 
     def check(self, grace: float = 2.0) -> None:
         """After a test: raise :class:`LeftBehindError` naming any process it left on the hosts (daemons
-        aside), once they are killed so that the next test starts clean."""
-        found = self.left_behind(grace)
-        if not found:
-            return
-        for _ in range(50):
-            ns.kill_pids(found)
-            time.sleep(0.05)
-            if not self.left_behind(0):
-                break
-        listed = "; ".join(f"{pid} ({what})" for pid, what in sorted(found.items()))
-        raise LeftBehindError(f"the test left processes on the hosts (now killed): {listed}")
+        aside), once they are killed so that the next test starts clean, and any stratagem scratch entry left
+        in a host's local folder (:meth:`scratch_left`), once removed."""
+        found, scratch, problems = self.left_behind(grace), self.scratch_left(), []
+        for _, path in self._scratch():
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if scratch:
+            problems.append(
+                f"stratagem scratch in the hosts' temporary folders (now removed): {'; '.join(scratch)}"
+            )
+        if found:
+            for _ in range(50):
+                ns.kill_pids(found)
+                time.sleep(0.05)
+                if not self.left_behind(0):
+                    break
+            listed = "; ".join(f"{pid} ({what})" for pid, what in sorted(found.items()))
+            problems.insert(0, f"the test left processes on the hosts (now killed): {listed}")
+        if problems:
+            raise LeftBehindError("; ".join(problems))
+
+    def scratch_left(self) -> list[str]:
+        """stratagem's scratch entries (``stratagem-*``) in the hosts' local folders: what a run left in a
+        temporary folder (a killed process's are removed by the next run on the host; a finished run leaves
+        none)."""
+        return sorted(f"{host.name}: {path.name}" for host, path in self._scratch())
+
+    def _scratch(self) -> list[tuple[Host, Path]]:
+        return [
+            (host, host.local / name)
+            for host in self.hosts
+            if host.local is not None and host.local.is_dir()
+            for name in os.listdir(host.local)
+            if name.startswith("stratagem")
+        ]
 
     def leftovers(self) -> list[str]:
         """What of this set exists on the machine: its namespaces and every process in them."""

@@ -259,7 +259,8 @@ def make_hosts(tmp_path_factory: Any) -> Any:
 def stratagem_hosts(make_hosts: Any, request: Any) -> Any:
     """The module's hosts for one test (two, each with a local folder, unless the test or its module is marked
     ``@pytest.mark.stratagem_hosts(count, local=...)``). A process that the test left on them, other than a
-    daemon, fails it (and is killed)."""
+    daemon, fails it (and is killed), and so does a stratagem scratch entry left in a host's local folder
+    (removed)."""
     from stratagem.contract.hosts import LeftBehindError
 
     marker = request.node.get_closest_marker("stratagem_hosts")

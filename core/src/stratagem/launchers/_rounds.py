@@ -20,6 +20,7 @@ the round is. The agent hands it to its workers in ``STRATAGEM_RENDEZVOUS_ROUND`
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 ROUND_ENV = "STRATAGEM_RENDEZVOUS_ROUND"
@@ -31,10 +32,14 @@ def publish_each_round(handler: Any) -> Any:
     os.environ.pop(ROUND_ENV, None)  # a previous launch's, in this process
     if handler.get_backend() != "c10d":
         return handler
-    join = handler.next_rendezvous
+    # The wrapper holds the handler weakly: a handler that held itself through its own attribute would keep its
+    # TCPStore (listening on the master port) alive after the run, until a garbage collection happened to run.
+    join = type(handler).next_rendezvous
+    owner = weakref.ref(handler)
 
     def next_rendezvous() -> Any:
-        info = join()
+        handler = owner()
+        info = join(handler)
         state = getattr(getattr(handler, "_state_holder", None), "state", None)
         if state is not None:
             os.environ[ROUND_ENV] = str(state.round)  # the workers inherit the agent's environment
@@ -46,3 +51,10 @@ def publish_each_round(handler: Any) -> Any:
 
     handler.next_rendezvous = next_rendezvous
     return handler
+
+
+def forget() -> None:
+    """The round belongs to the launch that formed it: once that launch ends, a process started later from this
+    one (torchrun's workers, another launcher's) must not read it as its own, or its restarted group would name
+    its keys as the failed one did."""
+    os.environ.pop(ROUND_ENV, None)

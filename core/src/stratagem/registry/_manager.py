@@ -315,6 +315,9 @@ class StrategyHooks:
     def load_checkpoint(self, path: str, state: dict[str, Any], strict: bool) -> dict[str, Any]:
         return self._hook.load_checkpoint(path=path, state=state, strict=strict)
 
+    def weight_shards(self, model: torch.nn.Module, purpose: str) -> list[Any]:
+        return list(self._hook.weight_shards(model=model, purpose=purpose))
+
     # collectives -----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return self._hook.all_reduce(tensor=tensor, op=op)

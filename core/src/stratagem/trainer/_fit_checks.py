@@ -21,6 +21,31 @@ def provides_optimizer(strategy: Any) -> bool:
     return bool(getattr(strategy, "provides_optimizer", False))
 
 
+def check_fit(
+    engine: Any,
+    model: Any,
+    train_dataloaders: Any,
+    val_dataloaders: Any,
+    ckpt_path: Any,
+    *,
+    strategy_made: bool,
+) -> None:
+    """What ``fit`` is given; ``strategy_made``: the model's steps are checked against the strategy too."""
+
+    # Asked only when configure_optimizers gives nothing: it creates the strategy in a launching process.
+    def strategy_optimizer() -> bool:
+        return provides_optimizer(engine.strategy)
+
+    check_model(model, for_fit=True, strategy_optimizer=strategy_optimizer)
+    check_step(model, engine.strategy if strategy_made else None)
+    check_loader(train_dataloaders, "train_dataloaders")
+    if val_dataloaders is not None:
+        check_loader(val_dataloaders, "val_dataloaders")
+    check_ckpt_path(ckpt_path)
+    if engine.needs_launch:
+        check_optimizers_before_launch(model, strategy_optimizer)
+
+
 def check_model(model: Any, *, for_fit: bool, strategy_optimizer: Callable[[], bool] = lambda: False) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(

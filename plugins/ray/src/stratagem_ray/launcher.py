@@ -21,13 +21,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 from typing import Any
 
 from stratagem.errors import ConfigurationError, WorkerFailedError
 from stratagem.hookspecs import hookimpl
-from stratagem.launchers import Launcher, LaunchJob
+from stratagem.launchers import ERROR_FILE_ENV, Launcher, LaunchJob
 from stratagem_ray import _cluster
-from stratagem_ray._failures import _describe, _root_cause
+from stratagem_ray._failures import Place, _describe, _root_cause, dead_nodes
 from stratagem_ray._worker import _Worker
 
 #: How long a placement group that the nodes could hold may wait for resources in use before the run is refused.
@@ -162,13 +163,14 @@ class RayLauncher(Launcher):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         worker_class = ray.remote(_Worker)
+        bundles = _bundles_in_rank_order(group, world // per_node)
         actors = [
             worker_class.options(
                 num_cpus=per_worker.get("CPU", 0),
                 num_gpus=per_worker.get("GPU", 0),
                 resources={k: v for k, v in per_worker.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=rank // per_node
+                    group, placement_group_bundle_index=bundles[rank // per_node]
                 ),
                 # The job's environment from the start of the worker process: some of it is read only then
                 # (glibc's malloc settings, OMP_NUM_THREADS), so the workers run as the elastic launcher's do.
@@ -177,12 +179,16 @@ class RayLauncher(Launcher):
             for rank in range(world)
         ]
         try:
-            places = ray.get([actor.where.remote() for actor in actors])
-            master_addr, master_port = places[0][1], ray.get(actors[0].free_port.remote())
-            nodes = list(dict.fromkeys(node for node, _ in places))
+            places = self._place(actors)
+            if isinstance(places, WorkerFailedError):
+                return places
+            master_addr = places[0].address
+            master_port = ray.get(actors[0].free_port.remote(), timeout=self.placement_timeout)
+            nodes = list(dict.fromkeys(place.node_id for place in places))
             local_ranks: dict[str, int] = {}
             pending = {}
-            for rank, (actor, (node, _)) in enumerate(zip(actors, places)):
+            for rank, (actor, place) in enumerate(zip(actors, places)):
+                node = place.node_id
                 local = local_ranks.get(node, 0)
                 local_ranks[node] = local + 1
                 env = {
@@ -190,7 +196,7 @@ class RayLauncher(Launcher):
                     "RANK": str(rank),
                     "LOCAL_RANK": str(local),
                     "WORLD_SIZE": str(world),
-                    "LOCAL_WORLD_SIZE": str(sum(1 for n, _ in places if n == node)),
+                    "LOCAL_WORLD_SIZE": str(sum(1 for p in places if p.node_id == node)),
                     "GROUP_RANK": str(nodes.index(node)),
                     "NODE_RANK": str(nodes.index(node)),
                     "MASTER_ADDR": master_addr,
@@ -199,6 +205,7 @@ class RayLauncher(Launcher):
                     "STRATAGEM_NODE_ID": node,
                     "STRATAGEM_RESTART_COUNT": str(attempt),
                     "STRATAGEM_MAX_RESTARTS": str(max_failures),
+                    ERROR_FILE_ENV: place.error_file,
                 }
                 if last is not None:
                     env["STRATAGEM_LAST_FAILURE"] = f"{last.rank}: {last.detail.strip().splitlines()[-1]}"
@@ -214,11 +221,37 @@ class RayLauncher(Launcher):
                 try:
                     results[rank] = ray.get(ref)
                 except Exception as error:  # the first failure ends the attempt: its peers would only wait
-                    return _root_cause(_describe(rank, error), pending)
+                    return _root_cause(_describe(rank, error, places[rank]), pending, places)
             return results
         finally:
             for actor in actors:
                 ray.kill(actor, no_restart=True)
+
+    def _place(self, actors: list[Any]) -> list[Place] | WorkerFailedError:
+        """Where each actor started, once all have (within ``placement_timeout``); or the failure of the first
+        that could not start: its node died (a restart after a node was lost), or none was found for it."""
+        import ray
+
+        run = uuid.uuid4().hex[:12]
+        asked = {actor.where.remote(run): rank for rank, actor in enumerate(actors)}
+        places: dict[int, Place] = {}
+        deadline = time.monotonic() + self.placement_timeout
+        while asked:
+            done, _ = ray.wait(list(asked), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                dead = "; ".join(dead_nodes().values()) or "none"
+                return WorkerFailedError(
+                    min(asked.values()),
+                    None,
+                    f"no Ray node took this worker within {self.placement_timeout:g} s (placement_timeout); the "
+                    f"cluster's dead nodes: {dead}",
+                )
+            rank = asked.pop(done[0])
+            try:
+                places[rank] = Place(*ray.get(done[0]))
+            except Exception as error:  # its node died before it started
+                return _describe(rank, error)
+        return [places[rank] for rank in range(len(actors))]
 
 
 def _workers_per_node(job: LaunchJob, world: int) -> int:
@@ -228,6 +261,19 @@ def _workers_per_node(job: LaunchJob, world: int) -> int:
     if nodes > 1 and world == nodes * job.nproc_per_node:
         return job.nproc_per_node
     return world
+
+
+def _bundles_in_rank_order(group: Any, count: int) -> list[int]:
+    """The placement group's bundles by node rank: the one on the driver's node first, where it has one.
+    Rank 0 holds the workers' store (``MASTER_ADDR``): on the driver's node it lives as long as the run does,
+    and the others' watchdog can name a rank whose node is lost (with the store on the lost node, every rank
+    waits on it until the collectives time out, naming nobody)."""
+    import ray
+    from ray.util import placement_group_table
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = placement_group_table(group).get("bundles_to_node_id") or {}
+    return sorted(range(count), key=lambda bundle: nodes.get(bundle, nodes.get(str(bundle))) != here)
 
 
 def _wait(ref: Any, timeout: float) -> bool:
