@@ -40,7 +40,7 @@ def dataset(samples: int = 256) -> TensorDataset:
 
 
 class Regression(sg.Module):
-    def __init__(self, lr: float = 0.05, optimizer: str = "sgd") -> None:
+    def __init__(self, lr: float = 0.02, optimizer: str = "sgd") -> None:
         super().__init__()
         self.body = sg.wrap(torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh()))
         self.head = torch.nn.Linear(16, 1)
@@ -91,7 +91,7 @@ class Record:
                 "participants": manager.num_participants() if manager is not None else None,
                 "committed": getattr(strategy, "committed_steps", None),
                 "refused": getattr(strategy, "refused_steps", None),
-                "loss": float(outputs["loss"] if isinstance(outputs, dict) else outputs),
+                "loss": float((outputs["loss"] if isinstance(outputs, dict) else outputs).detach()),
                 "time": time.time(),
                 "digest": digest.hexdigest(),
             }
@@ -100,6 +100,10 @@ class Record:
                 file.write(json.dumps(row) + "\n")
             if params is not None:
                 torch.save(params, out / f"group-{self.replica}-attempt-{self.attempt}-step-{step}.pt")
+        # The job's step is torchft's (its first, empty step aside): a group that healed joined the job at the
+        # survivors' step, while its own Trainer counts from its restart. It ends with the job.
+        if manager is not None and manager.current_step() > self.args.steps:
+            trainer.should_stop = True
         kill = self.args.kill_group == self.replica and self.args.kill_at == step and self.attempt == 0
         if kill and trainer.engine.is_global_zero:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -112,7 +116,7 @@ def main() -> None:
     p.add_argument("--launcher", default="auto")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=4, help="per process")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--out", required=True)
     p.add_argument("--max-restarts", type=int, default=0)
@@ -123,6 +127,7 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=None)
     args = p.parse_args()
     torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)  # the same initial weights in every process, whatever the strategy
     model = Regression(lr=args.lr, optimizer=args.optimizer)
     trainer = sg.Trainer(
         strategy=args.strategy,

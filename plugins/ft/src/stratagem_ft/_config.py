@@ -36,7 +36,12 @@ def _is_count(minimum: int) -> Callable[[Any, attrs.Attribute, Any], None]:
 
 
 def _is_seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise _fail(instance.strategy, attribute.name, value, "give a positive number of seconds.")
 
 
@@ -97,15 +102,14 @@ class FTConfig:
     def __attrs_post_init__(self) -> None:
         # Checked here and not only where the workers start: a replica_id outside the job is refused before
         # anything launches, since its data share would be another group's or no one's.
-        if self.replica_id is not None and self.num_replica_groups is not None:
-            if self.replica_id >= self.num_replica_groups:
-                raise _fail(
-                    self.strategy,
-                    "replica_id",
-                    self.replica_id,
-                    f"the job has num_replica_groups={self.num_replica_groups}: give 0 to "
-                    f"{self.num_replica_groups - 1}.",
-                )
+        groups = self.num_replica_groups
+        if self.replica_id is not None and groups is not None and self.replica_id >= groups:
+            raise _fail(
+                self.strategy,
+                "replica_id",
+                self.replica_id,
+                f"the job has num_replica_groups={groups}: give 0 to {groups - 1}.",
+            )
         if self.heartbeat_timeout >= self.quorum_timeout:
             raise _fail(
                 self.strategy,
@@ -177,7 +181,12 @@ def _is_fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _is_rate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise _fail(instance.strategy, attribute.name, value, "give a positive learning rate.")
 
 

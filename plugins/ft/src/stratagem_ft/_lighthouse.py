@@ -46,7 +46,12 @@ def check_reachable(address: str, timeout_s: float, strategy: str) -> None:
 def start(heartbeat_timeout_s: float, bind: str = "[::]:0") -> Any:
     """A lighthouse in this process (torchft's ``LighthouseServer``, which serves from threads of its own), for
     replica groups on this machine. Its ``address()`` names this host; ``shutdown()`` stops it."""
+    import os
+
     from torchft.coordination import LighthouseServer
+
+    # torchft's Rust side logs every quorum at INFO; its warnings and errors are what a run needs.
+    os.environ.setdefault("RUST_LOG", "warn")
 
     return LighthouseServer(
         bind=bind,

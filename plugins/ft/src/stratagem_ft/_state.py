@@ -33,12 +33,16 @@ def healing_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
 
 
 @torch.no_grad()
-def load_healing_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_healing_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
     """Put a peer's :func:`healing_state` into the live model and optimizer, in place."""
     live = model.state_dict()
     missing = sorted(set(live) - set(state["model"]))
     if missing:
-        raise RuntimeError(f"the healing state from a peer lacks {missing[:5]}: do the replica groups train one model?")
+        raise RuntimeError(
+            f"the healing state from a peer lacks {missing[:5]}: do the replica groups train one model?"
+        )
     for name, tensor in live.items():
         _local(tensor).copy_(state["model"][name])
     optimizer.load_state_dict(_as_live(optimizer, state["optimizer"]))

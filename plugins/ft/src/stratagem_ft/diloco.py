@@ -40,7 +40,10 @@ class DiLoCoStrategy(FTStrategy):
         **options: Any,
     ) -> None:
         self.diloco_config = DiLoCoConfig(
-            sync_every=sync_every, outer_optimizer=outer_optimizer, outer_lr=outer_lr, outer_momentum=outer_momentum
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
         )
         super().__init__(**options)
         self._diloco: Any = None

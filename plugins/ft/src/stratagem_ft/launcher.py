@@ -44,8 +44,14 @@ class ReplicaGroupsLauncher(Launcher):
     """
 
     def __init__(self, poll_interval: float = 0.2) -> None:
-        if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or poll_interval <= 0:
-            raise ConfigurationError(f"ReplicaGroupsLauncher(poll_interval={poll_interval!r}): give seconds > 0.")
+        if (
+            isinstance(poll_interval, bool)
+            or not isinstance(poll_interval, (int, float))
+            or poll_interval <= 0
+        ):
+            raise ConfigurationError(
+                f"ReplicaGroupsLauncher(poll_interval={poll_interval!r}): give seconds > 0."
+            )
         self.poll_interval = float(poll_interval)
 
     @hookimpl
@@ -80,7 +86,9 @@ class ReplicaGroupsLauncher(Launcher):
                 server.shutdown()
         return _settle(outcomes)
 
-    def _run(self, job: LaunchJob, groups: list[int], total: int, address: str, scratch: Path) -> dict[int, Any]:
+    def _run(
+        self, job: LaunchJob, groups: list[int], total: int, address: str, scratch: Path
+    ) -> dict[int, Any]:
         children: dict[int, subprocess.Popen[str]] = {}
         readers = []
         with _passing_on(job.preemption_signals, children):
@@ -106,7 +114,9 @@ class ReplicaGroupsLauncher(Launcher):
                     bufsize=1,
                 )
                 children[group] = child
-                readers.append(_prefixing(child.stdout, f"[replica group {group}] " if len(groups) > 1 else ""))
+                readers.append(
+                    _prefixing(child.stdout, f"[replica group {group}] " if len(groups) > 1 else "")
+                )
             while any(child.poll() is None for child in children.values()):
                 time.sleep(self.poll_interval)
         for reader in readers:
@@ -184,7 +194,12 @@ def _outcome(path: Path, child: subprocess.Popen[str]) -> tuple[Any, ...]:
         with open(path, "rb") as file:
             return pickle.load(file)
     except (OSError, EOFError, pickle.UnpicklingError):
-        return ("failed", None, child.returncode, f"its launch ended with code {child.returncode} and said nothing")
+        return (
+            "failed",
+            None,
+            child.returncode,
+            f"its launch ended with code {child.returncode} and said nothing",
+        )
 
 
 def _settle(outcomes: dict[int, tuple[Any, ...]]) -> dict[int, Any]:
@@ -202,7 +217,9 @@ def _settle(outcomes: dict[int, tuple[Any, ...]]) -> dict[int, Any]:
         return outcomes[finished[0]][1]
     exited = [outcome for outcome in outcomes.values() if outcome[0] == "exited"]
     if exited and all(outcome[1] == Preempted(message="", signal="").code for outcome in exited):
-        raise Preempted(f"stratagem-ft: every replica group stopped for a preemption: {exited[0][2]}", signal="")
+        raise Preempted(
+            f"stratagem-ft: every replica group stopped for a preemption: {exited[0][2]}", signal=""
+        )
     group, outcome = next((g, o) for g, o in outcomes.items() if o[0] != "ok")
     if outcome[0] == "exited":
         raise WorkerFailedError(None, outcome[1], f"replica group {group}: {outcome[2]}")

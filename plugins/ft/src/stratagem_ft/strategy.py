@@ -177,6 +177,9 @@ class FTStrategy(TorchDistributedStrategy):
             if manager.num_participants() >= self.num_replica_groups or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
+        # The empty step's all-reduce is what keeps the first group from committing (which ends the serving of
+        # its weights) before a group healing from it has fetched them: a healing group joins it only after.
+        manager.allreduce(torch.zeros(1)).wait()
         if not manager.should_commit():
             raise RuntimeError(f"{self.label}: the replica groups' first quorum failed: {manager.errored()}")
         self._track_members()
