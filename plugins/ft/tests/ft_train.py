@@ -8,13 +8,15 @@ clock, and a digest of the parameters; with ``--params-every-step`` the paramete
 final parameters to ``OUT/final-<replica>.pt``.
 
 ``--kill-group G --kill-at N``: in its first attempt, group G's rank 0 kills itself (SIGKILL) at the end of
-step N, after its optimizer step and before the next step's quorum. ``--step-sleep`` slows every step so
-that a test can act while the others train.
+step N, after its optimizer step and before the next step's quorum. ``--step-sleep`` slows every step, and
+``--sleep-while-alone`` the steps taken while a group is away, so that the killed group's restart meets the
+others still training.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -79,10 +81,10 @@ class Record:
     def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int, step: int) -> None:
         strategy = trainer.engine.strategy
         manager = getattr(strategy, "manager", None)
-        params = full_params(self.module) if self.args.params_every_step else None
+        params = full_params(self.module)  # on every rank: gathering a sharded parameter is a collective
         if trainer.engine.is_global_zero:
             digest = hashlib.sha256()
-            for value in (params or full_params(self.module)).values():
+            for value in params.values():
                 digest.update(value.numpy().tobytes())
             row = {
                 "attempt": self.attempt,
@@ -98,8 +100,13 @@ class Record:
             out = Path(self.args.out)
             with open(out / f"group-{self.replica}.jsonl", "a") as file:
                 file.write(json.dumps(row) + "\n")
-            if params is not None:
+            if self.args.params_every_step:
                 torch.save(params, out / f"group-{self.replica}-attempt-{self.attempt}-step-{step}.pt")
+        # While a group is away, the others slow down (by the test's choice, not the strategy's), so that a
+        # restart slowed by a loaded machine still finds them training.
+        groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))
+        if manager is not None and self.args.sleep_while_alone and manager.num_participants() < groups:
+            time.sleep(self.args.sleep_while_alone)
         # The job's step is torchft's (its first, empty step aside): a group that healed joined the job at the
         # survivors' step, while its own Trainer counts from its restart. It ends with the job.
         if manager is not None and manager.current_step() > self.args.steps:
@@ -110,6 +117,9 @@ class Record:
 
 
 def main() -> None:
+    # `kill -USR1` on a worker writes where every thread of it is to a file: what a hang in a test needs.
+    stacks = Path(os.environ.get("FT_STACKS_DIR", "/tmp")) / f"ft-train-stacks-{os.getpid()}.txt"
+    faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"), all_threads=True)  # noqa: SIM115
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="auto")
     p.add_argument("--devices", type=int, default=1)
@@ -123,6 +133,7 @@ def main() -> None:
     p.add_argument("--kill-group", type=int, default=None)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--sleep-while-alone", type=float, default=0.0)
     p.add_argument("--params-every-step", action="store_true")
     p.add_argument("--ckpt-every", type=int, default=None)
     args = p.parse_args()

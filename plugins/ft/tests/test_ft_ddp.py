@@ -38,7 +38,18 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run = start(
         out,
         *("--strategy", FT, "--launcher", "replica_groups", "--steps", str(KILL_STEPS)),
-        *("--max-restarts", "1", "--kill-group", "1", "--kill-at", str(KILL_AT), "--step-sleep", "0.8"),
+        *(
+            "--max-restarts",
+            "1",
+            "--kill-group",
+            "1",
+            "--kill-at",
+            str(KILL_AT),
+            "--step-sleep",
+            "0.3",
+            "--sleep-while-alone",
+            "3",
+        ),
     )
     return {"out": out, "output": finish(run, 400)}
 

@@ -135,7 +135,9 @@ class FTStrategy(TorchDistributedStrategy):
                 "step per quorum."
             )
         if self.manager is not None:
-            raise ConfigurationError(f"{self.label}: set up one model and optimizer per Engine.")
+            # A second model set up in the same Engine (one loaded from a checkpoint to compare, say): the
+            # replica groups keep the newest one in step, under a Manager of its own.
+            self._shutdown_manager()
         self._model, self._optimizer = model, optimizers[0]
         self.manager, self._process_group, self._store = _replica.create_manager(
             self.config,
@@ -245,6 +247,11 @@ class FTStrategy(TorchDistributedStrategy):
         if self.rank == 0:
             print(f"stratagem-ft: replica group {self.replica_id}: {message}.", file=sys.stderr, flush=True)
 
+    def _shutdown_manager(self) -> None:
+        self.manager.shutdown(wait=False)
+        self.manager = None
+        self._quorum_open = False
+
     # teardown --------------------------------------------------------------------------------------
     @hookimpl
     def teardown(self) -> None:
@@ -253,8 +260,7 @@ class FTStrategy(TorchDistributedStrategy):
                 self._say(
                     f"finished without replica group {lost} (on {host}), lost at step {step} and not back since"
                 )
-            self.manager.shutdown(wait=False)
-            self.manager = None
+            self._shutdown_manager()
         if self._lighthouse_server is not None:
             self._lighthouse_server.shutdown()
             self._lighthouse_server = None
