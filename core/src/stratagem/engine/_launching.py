@@ -7,13 +7,15 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from stratagem.engine._defaults import DEFAULT_LAUNCHER, LAUNCHER_ENV
 from stratagem.errors import ConfigurationError, WorkerFailedError
 from stratagem.launchers import _rerun, _worker_start
 from stratagem.registry._manager import get_registry
 
 if TYPE_CHECKING:
-    from stratagem.engine._strategy_runtime import Request
+    from stratagem.engine._strategy_runtime import Request, StrategyRuntime
 
 
 class Launching:
@@ -26,11 +28,11 @@ class Launching:
         engine_arguments: dict[str, Any],
         *,
         engine_class: type,
-        strategy: dict[str, Any] | None = None,
+        runtime: StrategyRuntime | None = None,
     ) -> None:
         self._request = request
         #: The strategy's name and options, for a launcher whose launch depends on them (replica groups).
-        self._strategy = dict(strategy or {})
+        self._strategy = runtime.job_strategy() if runtime is not None else {}
         #: What a worker builds its own Engine from, when a function is sent to it.
         self._engine = (engine_class, engine_arguments)
         self.launcher: Any = None
@@ -132,9 +134,15 @@ def _resolve_launcher(launcher: Any, options: dict[str, Any], request: Request) 
         raise ConfigurationError(f"launcher_options for launcher {name!r}: {error}.") from error
 
 
-def launcher_always_launches(launcher: Any) -> bool:
-    """Whether the launcher a run names declares ``always_launches``: a run of one process per node is then
-    launched through it too (its launch starts more than one world: replica groups)."""
+def with_launcher(request: Request, launcher: Any) -> Request:
+    """``request``, launched even for one process per node when nothing launched this process and its launcher
+    declares ``always_launches`` (its launch starts more than one world: replica groups)."""
+    if request.source is None and _always_launches(launcher):
+        return attrs.evolve(request, always_launch=True)
+    return request
+
+
+def _always_launches(launcher: Any) -> bool:
     from stratagem.launchers.launcher import Launcher
 
     if isinstance(launcher, Launcher):
