@@ -112,6 +112,7 @@ class ReplicaGroupsLauncher(Launcher):
                     text=True,
                     errors="replace",
                     bufsize=1,
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                 )
                 children[group] = child
                 readers.append(
@@ -147,6 +148,15 @@ def strategy_of(job: LaunchJob) -> FTStrategy:
             "none: use the elastic launcher for it."
         )
     return strategy
+
+
+def _die_with_parent() -> None:
+    """In a group's launch process, before it runs: SIGTERM to it when this launcher dies, however it dies
+    (SIGKILL included). Its agent then stops the group's workers as on a preemption; without it they would
+    train on, orphaned."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def _prefixing(stream: IO[str] | None, prefix: str) -> threading.Thread:
