@@ -152,5 +152,6 @@ def test_listing() -> None:
         "accelerators": ["cpu", "cuda"],
         "multi_node": True,
         "starts_all_nodes": False,
+        "always_launches": False,
         "requires": [],
     }

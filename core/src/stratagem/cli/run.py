@@ -118,14 +118,16 @@ def _run(args: argparse.Namespace) -> int:
         from stratagem.engine import COMPILE_ENV
 
         env[COMPILE_ENV] = compile
+    strategy: dict[str, object] = {}
     if args.strategy:
         from stratagem.registry._labels import parse_label
         from stratagem.registry._manager import get_registry
 
         # An unknown name fails here, naming the installed ones; the workers' strategy checks the options.
-        name = parse_label(args.strategy, "--strategy")[0] if "[" in args.strategy else args.strategy
+        name, options = parse_label(args.strategy, "--strategy") if "[" in args.strategy else (args.strategy, {})
         get_registry().get(name)
         env[STRATEGY_ENV] = args.strategy
+        strategy = {"strategy": name, "strategy_options": options}
     from stratagem.engine import DEFAULT_LAUNCHER, LAUNCHER_ENV
     from stratagem.launchers import LaunchJob
     from stratagem.registry._manager import LauncherHooks, get_registry
@@ -147,6 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         accelerator=accelerator,
         env=_worker_start.worker_environment(accelerator, env, args.devices),
         max_restarts=args.max_restarts,
+        **strategy,
     )
     LauncherHooks(chosen).launch_workers(job)
     return 0

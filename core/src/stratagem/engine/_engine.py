@@ -13,7 +13,7 @@ import torch
 from stratagem.engine._batch_steps import BatchSteps
 from stratagem.engine._checkpoint_io import CheckpointIO
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S
-from stratagem.engine._launching import Launching
+from stratagem.engine._launching import Launching, with_launcher
 from stratagem.engine._model_setup import ModelSetup
 from stratagem.engine._strategy_optimizer import StrategyOptimizer, _unwrap
 from stratagem.engine._strategy_runtime import StrategyRuntime, make_request
@@ -63,12 +63,14 @@ class Engine:
         # What workers rebuild this Engine from: the arguments (read first, while locals() holds only them).
         self._config = {name: value for name, value in locals().items() if name != "self"}
         self._config.update(addons=tuple(addons), launcher_options=dict(launcher_options or {}))
-        request = make_request(accelerator, precision, devices, num_nodes, timeout, max_restarts)
+        request = with_launcher(
+            make_request(accelerator, precision, devices, num_nodes, timeout, max_restarts), launcher
+        )
         self.accelerator, self.precision = request.accelerator, request.precision
         self.devices, self.num_nodes, self.timeout = request.devices, request.num_nodes, request.timeout
         self.max_restarts, self.world_size_requested = max_restarts, request.world_size
         self._runtime = StrategyRuntime(strategy, request, tuple(addons))
-        self._launching = Launching(request, self._config, engine_class=type(self))
+        self._launching = Launching(request, self._config, engine_class=type(self), runtime=self._runtime)
         if not request.needs_launch:
             # A process that only launches workers never uses the strategy: importing it (a plugin and
             # what it imports) would only delay the workers' start.
@@ -105,7 +107,7 @@ class Engine:
     # launching -------------------------------------------------------------------------------------
     @property
     def needs_launch(self) -> bool:
-        """True in the process the user started when more than one process is wanted and none exist yet."""
+        """True in the user's process when it starts the workers (several wanted, or ``always_launches``)."""
         return self._runtime.request.needs_launch
 
     def supervise(self, **job: Any) -> None:

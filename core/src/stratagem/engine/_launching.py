@@ -7,21 +7,32 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from stratagem.engine._defaults import DEFAULT_LAUNCHER, LAUNCHER_ENV
 from stratagem.errors import ConfigurationError, WorkerFailedError
 from stratagem.launchers import _rerun, _worker_start
 from stratagem.registry._manager import get_registry
 
 if TYPE_CHECKING:
-    from stratagem.engine._strategy_runtime import Request
+    from stratagem.engine._strategy_runtime import Request, StrategyRuntime
 
 
 class Launching:
     """Starting one Engine's workers from the process the user started: the launcher checked when the Engine is
     made, the job it runs (:meth:`stratagem.Engine.supervise`, :meth:`stratagem.Engine.launch` document both)."""
 
-    def __init__(self, request: Request, engine_arguments: dict[str, Any], *, engine_class: type) -> None:
+    def __init__(
+        self,
+        request: Request,
+        engine_arguments: dict[str, Any],
+        *,
+        engine_class: type,
+        runtime: StrategyRuntime | None = None,
+    ) -> None:
         self._request = request
+        #: The strategy's name and options, for a launcher whose launch depends on them (replica groups).
+        self._strategy = runtime.job_strategy() if runtime is not None else {}
         #: What a worker builds its own Engine from, when a function is sent to it.
         self._engine = (engine_class, engine_arguments)
         self.launcher: Any = None
@@ -52,6 +63,7 @@ class Launching:
                 request.accelerator, fields.pop("env", None), request.devices
             ),
             max_restarts=request.max_restarts,
+            **self._strategy,
             **fields,
         )
 
@@ -120,6 +132,27 @@ def _resolve_launcher(launcher: Any, options: dict[str, Any], request: Request) 
         return info.create(**options)
     except TypeError as error:  # an option the launcher's constructor does not take
         raise ConfigurationError(f"launcher_options for launcher {name!r}: {error}.") from error
+
+
+def with_launcher(request: Request, launcher: Any) -> Request:
+    """``request``, launched even for one process per node when nothing launched this process and its launcher
+    declares ``always_launches`` (its launch starts more than one world: replica groups)."""
+    if request.source is None and _always_launches(launcher):
+        return attrs.evolve(request, always_launch=True)
+    return request
+
+
+def _always_launches(launcher: Any) -> bool:
+    from stratagem.launchers.launcher import Launcher
+
+    if isinstance(launcher, Launcher):
+        info = _registration(launcher)
+    elif isinstance(launcher, str):
+        name = os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER if launcher == "auto" else launcher
+        info = get_registry().launchers.get(name)  # an unknown name is refused where it is resolved
+    else:
+        return False
+    return info is not None and bool(info.capabilities.always_launches)
 
 
 def _worker_main(

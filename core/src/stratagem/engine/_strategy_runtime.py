@@ -35,11 +35,14 @@ class Request:
     max_restarts: int
     source: str | None
     world_size: int
+    #: The launcher declares ``always_launches``: one process per node is launched through it too.
+    always_launch: bool = False
 
     @property
     def needs_launch(self) -> bool:
-        """More than one process is wanted and none exist yet: this process starts the workers."""
-        return self.source is None and self.world_size > 1
+        """More than one process is wanted and none exist yet, or the launcher always launches (it starts
+        more than one world: replica groups): this process starts the workers."""
+        return self.source is None and (self.world_size > 1 or self.always_launch)
 
 
 def make_request(
@@ -94,6 +97,7 @@ class StrategyRuntime:
         self._addons = addons
         self._options: dict[str, Any] = {}  # a name's options, "fsdp_tp[tensor_parallel_size=2]"
         self._info, self.created = self._resolve(strategy)
+        self._named = self.created is None
         self._hooks: StrategyHooks | None = None
         #: Whether this process has joined the process group (``setup_environment``) and not left it.
         self.ready = False
@@ -141,6 +145,13 @@ class StrategyRuntime:
         if "[" in name:
             name, self._options = parse_label(name, f"strategy={name!r}")
         return self._check(name), None
+
+    def job_strategy(self) -> dict[str, Any]:
+        """The strategy's name and options for a launch job, when it was given by name (an instance does not
+        say its options)."""
+        if not self._named or self._info is None:
+            return {}
+        return {"strategy": self._info.name, "strategy_options": dict(self._options)}
 
     def _check(self, name: str) -> Any:
         request = self.request

@@ -34,6 +34,10 @@ class LaunchJob:
         workers (which save and stop, see ``Trainer(preemption_signals=...)``) and waits for them up to
         ``preemption_grace_s`` seconds; then it ends with :class:`~stratagem.errors.Preempted`.
     :param preemption_grace_s: how long the scheduler leaves between its signal and the kill.
+    :param strategy: the registered name of the strategy the workers run, when it was given by name (``None`` for
+        a ``Strategy`` instance), for a launcher whose launch depends on it (the replica groups of a
+        fault-tolerant strategy).
+    :param strategy_options: the options in that name's brackets (``ft_ddp[num_replica_groups=2]``).
     """
 
     kind: str = attrs.field(validator=attrs.validators.in_(("script", "function")))
@@ -60,6 +64,8 @@ class LaunchJob:
             _preemption_signals.check_grace, option="LaunchJob(preemption_grace_s=...)"
         ),
     )
+    strategy: str | None = None
+    strategy_options: Mapping[str, Any] = attrs.field(factory=dict)
 
     @property
     def max_nodes(self) -> int:

@@ -151,6 +151,9 @@ class LauncherCapabilities:
     #: One launch from one process starts the workers of every node (Ray); otherwise each node runs its own
     #: launch (torch's elastic agent: ``stratagem run`` on every node).
     starts_all_nodes: bool = False
+    #: A run named with this launcher goes through it even for one process per node: it starts more than the
+    #: processes of one world (the replica groups of a fault-tolerant strategy, each a world of its own).
+    always_launches: bool = False
     requires: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def refusal(self, *, accelerator: str, num_nodes: int) -> str | None:
@@ -168,5 +171,6 @@ class LauncherCapabilities:
             "accelerators": sorted(self.accelerators),
             "multi_node": self.multi_node,
             "starts_all_nodes": self.starts_all_nodes,
+            "always_launches": self.always_launches,
             "requires": list(self.requires),
         }

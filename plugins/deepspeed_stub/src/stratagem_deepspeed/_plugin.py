@@ -71,3 +71,4 @@ def register_install_hints(register: Callable[..., None]) -> None:
     register("stratagem-pp", strategies=["pp", "pp_fsdp", "pp_fsdp_tp"])
     register("stratagem-ray", launchers=["ray"])
     register("stratagem-slurm", launchers=["slurm"])
+    register("stratagem-ft", strategies=["ft_ddp", "ft_hsdp", "diloco"], launchers=["replica_groups"])

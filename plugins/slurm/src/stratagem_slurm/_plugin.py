@@ -40,3 +40,4 @@ def register_install_hints(register: Callable[..., None]) -> None:
         ],
     )
     register("stratagem-ray", launchers=["ray"])
+    register("stratagem-ft", strategies=["ft_ddp", "ft_hsdp", "diloco"], launchers=["replica_groups"])

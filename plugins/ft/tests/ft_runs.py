@@ -1,0 +1,63 @@
+"""What the tests of stratagem-ft share: a launch of ``ft_train.py`` in a subprocess under a timeout, and what
+they read from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+TRAIN = str(Path(__file__).resolve().parent / "ft_train.py")
+
+
+def start(out: Path, *args: str) -> subprocess.Popen[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RUST_LOG": "warn", "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen(
+        [sys.executable, TRAIN, *args, "--out", str(out)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # A session of its own: a launch past its timeout is ended with every process it started.
+        start_new_session=True,
+    )
+
+
+def finish(run: subprocess.Popen[str], timeout: float) -> str:
+    try:
+        output, _ = run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        output, _ = run.communicate()
+        pytest.fail(f"the launch did not end within {timeout} s:\n{output[-4000:]}")
+    assert run.returncode == 0, output[-4000:]
+    return output
+
+
+def rows(out: Path, group: int) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / f"group-{group}.jsonl").read_text().splitlines()]
+
+
+def initial_params() -> dict[str, torch.Tensor]:
+    import ft_train
+
+    torch.manual_seed(0)
+    return {k: v.detach().clone() for k, v in ft_train.Regression().state_dict().items()}
+
+
+def full_loss(params: dict[str, torch.Tensor]) -> float:
+    import ft_train
+
+    model = ft_train.Regression()
+    model.load_state_dict(params)
+    x, y = ft_train.dataset().tensors
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(x), y).item()
