@@ -41,12 +41,14 @@ DESIGN_TABLE = {
 STEP_TABLE = {"check_batch_size", "run_training_batch", "run_evaluation_batch"}
 #: The launcher plugins' hooks (DESIGN: "where it grows next").
 LAUNCHER_TABLE = {"register_launchers", "launch_workers"}
+#: Asked by the plan (issue 39: stratagem plan, strategy="auto"), never during a run.
+PLAN_TABLE = {"estimate_memory"}
 #: Callbacks and loggers: their discovery hooks and the Trainer's events (issue 18).
 CALLBACK_TABLE = {"register_callbacks", "register_loggers", *hookspecs.TRAINER_EVENTS}
 
 
 def test_every_design_hook_exists():
-    assert set(HOOKS) == DESIGN_TABLE | STEP_TABLE | LAUNCHER_TABLE | CALLBACK_TABLE
+    assert set(HOOKS) == DESIGN_TABLE | STEP_TABLE | LAUNCHER_TABLE | CALLBACK_TABLE | PLAN_TABLE
 
 
 def test_trainer_events_are_broadcast_hooks_and_no_strategy_operation():
