@@ -123,3 +123,17 @@ def train(
 
 def checkpoint_path(workdir: str, fmt: str) -> str:
     return str(Path(workdir) / ("checkpoint.pt" if fmt == "full" else "checkpoint-sharded"))
+
+
+def held_after_step(engine: Any) -> dict[str, int]:
+    """What this rank holds after one optimizer step of a fresh model (one micro-batch, before its gradients are
+    cleared), as the strategy counts it: the plan's check compares the plan with this."""
+    from stratagem.engine._optimizer import _unwrap
+
+    model, optimizer = build(engine, m.MODEL_SEED)
+    tokens, targets = batches(engine)[0]
+    engine.train_batch(model, tokens, targets, m.loss_fn)
+    optimizer.step()
+    held = engine.strategy.memory_held(model, _unwrap(optimizer))
+    optimizer.zero_grad()
+    return held
