@@ -198,3 +198,70 @@ def test_a_model_without_blocks_cannot_be_pipelined() -> None:
 def test_an_unknown_strategy_names_the_closest() -> None:
     with pytest.raises(UnknownStrategyError, match="Did you mean 'fsdp'"):
         plan(m.plan_workload(), World(devices=2), strategies=["fsdpp"])
+
+
+# -------------------------------------------------------------------------------------------------
+# scale: the 1T acceptance lives in benchmarks/plan.py; here the same widths with few layers, at 2048 ranks
+# -------------------------------------------------------------------------------------------------
+
+WIDE = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 26624,
+    "intermediate_size": 69632,
+    "num_attention_heads": 208,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+
+def _wide_rank0(layers: range, embed: bool, head: bool, tp: int, dp: int) -> int:
+    """Rank 0's parameter bytes, by hand: tensor parallel splits Llama's q/k/v/gate/up and the head on their
+    output features, o/down on their input features, and the embedding on its vocabulary (Llama's plan), the
+    first rank taking the ceil; FSDP2 then gives rank 0 ceil(rows / dp) of each."""
+    h, i, v = WIDE["hidden_size"], WIDE["intermediate_size"], WIDE["vocab_size"]
+    kv = WIDE["num_key_value_heads"] * h // WIDE["num_attention_heads"]
+    colwise, rowwise, whole = [(h, h), (kv, h), (kv, h), (i, h), (i, h)], [(h, h), (h, i)], [(h, 1), (h, 1)]
+    tensors = [(r, c, "col") for _ in layers for r, c in colwise]
+    tensors += [(r, c, "row") for _ in layers for r, c in rowwise]
+    tensors += [(r, c, "") for _ in layers for r, c in whole]
+    tensors += [(v, h, "col")] if embed else []  # "embedding_rowwise": the vocabulary split
+    tensors += [(h, 1, ""), (v, h, "col")] if head else []
+    total = 0
+    for rows, cols, style in tensors:
+        rows = math.ceil(rows / tp) if style == "col" else rows
+        cols = math.ceil(cols / tp) if style == "row" else cols
+        total += math.ceil(rows / dp) * cols * 4
+    return total
+
+
+@pytest.mark.parametrize(
+    ("strategy", "layers", "rank", "expected"),
+    [
+        ("fsdp", 2, 0, lambda: _wide_rank0(range(2), True, True, 1, 2048)),
+        ("fsdp_tp[tensor_parallel_size=8]", 2, 0, lambda: _wide_rank0(range(2), True, True, 8, 256)),
+        # 16 layers in 16 stages of 128 ranks: the first stage holds a layer and the embedding, the last a layer,
+        # the final norm and the head (as large as the embedding): the last stage's first rank holds the most.
+        (
+            "pp_fsdp_tp[pipeline_parallel_size=16,tensor_parallel_size=8]",
+            16,
+            1920,
+            lambda: _wide_rank0(range(1), False, True, 8, 16),
+        ),
+    ],
+)
+def test_2048_ranks_hold_what_the_sharding_rules_give(
+    strategy, layers, rank, expected, tmp_path: Path
+) -> None:
+    pytest.importorskip("transformers")
+    from stratagem.cli.plan import _models
+
+    (tmp_path / "config.json").write_text(json.dumps({**WIDE, "num_hidden_layers": layers}))
+    workload = _models.workload(str(tmp_path / "config.json"))
+    result = plan(
+        workload, World(devices=8, nodes=256, sequence_length=64), strategies=[strategy]
+    ).strategies[0]
+    assert result.status == "simulated", result.reason
+    assert result.largest.rank == rank
+    assert abs(result.largest.parameters - expected()) <= 0.001 * expected()
