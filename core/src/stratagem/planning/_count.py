@@ -12,15 +12,28 @@ import torch
 ACTIVATION_KINDS = ("Activation", "Temp")
 
 
-def _lean_tracker() -> Any:
+def _lean_tracker(trace: Any) -> Any:
     """Torch's ``MemTracker`` without its per-module peaks: after every operation it updates the peak of each
     module on the call stack by walking all the modules it knows, which made a step of a model of a thousand
-    modules take hours. The plan reads the global peak only, which this keeps as torch computes it."""
+    modules take hours. The plan reads the global peak only, which this keeps as torch computes it. It also
+    records the functional collectives it sees into ``trace`` (:mod:`stratagem.planning._trace`): one dispatch
+    mode for both, since each mode costs every operation of the step a Python call."""
     from copy import deepcopy
 
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from stratagem.planning._trace import functional_collective
+
     class LeanTracker(MemTracker):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            result = super().__torch_dispatch__(func, types, args, kwargs)
+            # NotImplemented: a DTensor's op, dispatched again as local ops, recorded then.
+            if trace is not None and result is not NotImplemented:
+                found = functional_collective(func, args)
+                if found is not None:
+                    trace.record(*found)
+            return result
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             for device, snapshot in self._curr_mem_snap.items():
                 total = snapshot["Total"]
@@ -36,10 +49,10 @@ class ActivationMeter:
     backward. :attr:`peak` is what the step allocated beyond parameters, buffers, gradients and optimizer
     state at the step's peak: activations saved for backward and the temporaries of the moment (under a
     sharded strategy, the parameters it gathers for the step among them). Works on real and on fake tensors
-    alike (enter it inside the fake-tensor mode)."""
+    alike (enter it inside the fake-tensor mode). Given a ``trace``, records the functional collectives too."""
 
-    def __init__(self, *tracked: Any) -> None:
-        self._tracker = _lean_tracker()
+    def __init__(self, *tracked: Any, trace: Any = None) -> None:
+        self._tracker = _lean_tracker(trace)
         self._tracker.track_external(*tracked)
         self.peak = 0
 

@@ -24,7 +24,6 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from stratagem.planning import _count
-from stratagem.planning._trace import FunctionalCollectives
 from stratagem.planning._workload import Workload, World
 from stratagem.planning._world import BACKEND, fake_tensors, simulated_world
 
@@ -111,7 +110,7 @@ def simulate_rank(
         # A mesh numbers its ranks with index tensors that must hold values: built before the fake tensors.
         mesh = getattr(strategy, "device_mesh", None)
         model = _build(hooks, workload)
-        with fake_tensors(), FunctionalCollectives(trace):
+        with fake_tensors():
             model.to_empty(device=strategy.device)
             wrapped = hooks.wrap_model(model, Compiler(None))
             optimizer = hooks.setup_optimizers(wrapped, [world.make_optimizer(wrapped.parameters())])[0]
@@ -120,7 +119,7 @@ def simulate_rank(
             result: dict[str, Any] = {}
             if step:
                 with trace.in_phase("step"):
-                    result = _step(hooks, strategy, wrapped, model, optimizer, workload, world)
+                    result = _step(hooks, strategy, wrapped, model, optimizer, workload, world, trace)
                 result["communication"] = trace.sent("step") if result.get("stepped") else None
                 result["collectives"] = trace.summary("step") if result.get("stepped") else {}
                 held = strategy.memory_held(wrapped, optimizer)
@@ -138,13 +137,14 @@ def _step(
     optimizer: Any,
     workload: Workload,
     world: World,
+    trace: Any,
 ) -> dict[str, Any]:
     if getattr(strategy, "owns_step", False) or not workload.steps:
         why = OWNS_STEP_NOTE if getattr(strategy, "owns_step", False) else _no_batch_note(workload)
         return _step_by_rule(hooks, wrapped, optimizer, why)
     assert workload.batch is not None and workload.step is not None
     batch = workload.batch(model, world.batch_size, world.sequence_length)
-    meter = _count.ActivationMeter(wrapped, optimizer)
+    meter = _count.ActivationMeter(wrapped, optimizer, trace=trace)
     try:
         _count.one_step(
             lambda: workload.step(model, wrapped, batch),  # type: ignore[misc]

@@ -4,7 +4,8 @@ Collectives reach the trace two ways. Those issued through a process group (``to
 FSDP2's all-gathers and reduce-scatters, ``DistributedDataParallel``'s bucket all-reduces from C++) call the
 simulated group, which records them. Functional collectives (``torch.distributed._functional_collectives``,
 which DTensor and tensor parallelism use) never reach a group under fake tensors, where their kernels only
-compute output shapes: :class:`FunctionalCollectives`, a dispatch mode, records those.
+compute output shapes: the step's dispatch mode (:class:`stratagem.planning._count.ActivationMeter`) records
+those, with :func:`functional_collective`.
 
 Bytes sent per rank are those of the bandwidth-optimal ring algorithms, the total on the wire divided among
 the ``n`` ranks of the group: an all-reduce of ``S`` bytes sends ``2 (n - 1) / n * S`` from each rank (a
@@ -22,7 +23,6 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 _current: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("stratagem_plan_trace", default=None)
 
@@ -106,7 +106,7 @@ def _nbytes(tensor: Any) -> int:
     return sum(_nbytes(t) for t in tensor)
 
 
-def _functional(func: Any, args: tuple[Any, ...]) -> tuple[str, int, int] | None:
+def functional_collective(func: Any, args: tuple[Any, ...]) -> tuple[str, int, int] | None:
     """``(op, group size, payload)`` for a functional collective, ``None`` for anything else. Argument
     positions are those of ``torch.ops._c10d_functional`` in torch 2.13."""
     namespace = func.namespace
@@ -124,19 +124,3 @@ def _functional(func: Any, args: tuple[Any, ...]) -> tuple[str, int, int] | None
     if name in ("broadcast", "broadcast_"):
         return "broadcast", _group_size(args[2]), _nbytes(args[0])
     return None
-
-
-class FunctionalCollectives(TorchDispatchMode):
-    """Records the functional collectives dispatched inside it into ``trace`` (see the module docstring)."""
-
-    def __init__(self, trace: Trace) -> None:
-        super().__init__()
-        self.trace = trace
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        found = _functional(func, args)
-        if found is not None:
-            self.trace.record(*found)
-        return func(*args, **(kwargs or {}))
