@@ -1,7 +1,7 @@
 """Which glibc malloc setting stratagem's CPU workers should get: peak RSS and step time of raw DDP and raw
 FSDP2 (fully_shard) under each candidate, in the same run.
 
-stratagem's launcher gives the CPU workers it starts ``stratagem.launchers._spawn.CPU_ALLOCATOR_ENV`` unless the user
+stratagem's launcher gives the CPU workers it starts ``stratagem.launchers._worker_start.CPU_ALLOCATOR_ENV`` unless the user
 set the variable; this script is the measurement behind that choice. Each (strategy, setting) pair is a fresh
 2-process launch (malloc reads its settings at process start) of benchmarks/_raw_train.py on the same model
 and batches; settings are interleaved and repeated so that load from other jobs spreads over all of them.

@@ -3,7 +3,7 @@ training the same model on the same batches, measured in the same run with the s
 
 Prints, per strategy, stratagem's figures beside raw PyTorch's and their ratio (per-rank state bytes, peak RSS,
 peak RSS above the pre-model baseline, iterations per second), then FSDP / DDP within each. The raw workers
-get the allocator setting stratagem gives its CPU workers (``stratagem.launchers._spawn.CPU_ALLOCATOR_ENV``), so that
+get the allocator setting stratagem gives its CPU workers (``stratagem.launchers._worker_start.CPU_ALLOCATOR_ENV``), so that
 the comparison is of the training path, not of malloc.
 
     python benchmarks/compare.py [--model medium] [--steps 20] [--repeats 1]
@@ -22,7 +22,7 @@ from _common import table
 from _raw_train import launch
 
 from stratagem.cli.compare import default_warmup
-from stratagem.launchers._spawn import CPU_ALLOCATOR_ENV
+from stratagem.launchers._worker_start import CPU_ALLOCATOR_ENV
 
 MB = 2**20
 KINDS = ("ddp", "fsdp")

@@ -265,7 +265,7 @@ def _plot(rows: list[tuple[Any, ...]], out: str) -> None:
 
 
 def activations() -> None:
-    from stratagem.cli.plan import _models
+    from stratagem.cli.plan import _plan_models
     from stratagem.planning import World, plan
 
     rows = []
@@ -287,7 +287,7 @@ def activations() -> None:
             )
         )
         for spec, batch, seq in (("demo", 4, 32), ("demo", 16, 256), (str(tiny), 4, 32), (str(tiny), 8, 64)):
-            workload = _models.workload(spec)
+            workload = _plan_models.workload(spec)
             real = _real(workload, batch, seq)
             planned = (
                 plan(

@@ -1,20 +1,26 @@
 """What ``test_compile_strategies.py`` runs in its workers: one launch per strategy trains the contract model
-compiled for ten AdamW steps, then crosses checkpoints between compiled and plain models in both formats and
-resumes a compiled run from step five. Results are plain tensors and numbers, returned from rank 0."""
+compiled for ten AdamW steps, then crosses checkpoints between compiled and plain models in both formats,
+resumes a compiled run from step five, and has a Trainer fit the module given as ``torch.compile(module)``.
+Results are plain tensors and numbers, returned from rank 0."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stratagem.contract import _model as m
+import stratagem as sg
+from stratagem.contract import _suite_model as m
 
 STEPS = 10
 SAVE_AT = 5
 PER_RANK_BATCH = 4
+#: The Trainer's steps with a torch.compile'd module (against the first steps of the Engine's run).
+TRAINER_STEPS = 3
 
 
 def _build(engine: Any, seed: int, compile: Any) -> tuple[torch.nn.Module, Any]:
@@ -100,6 +106,53 @@ def run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
     rest = engine.load(str(work / "at-5.pt"), {"model": resumed, "optimizer": resumed_opt})
     out["resumed_losses"] = _steps(engine, resumed, resumed_opt, data, range(int(rest["step"]), STEPS))
     out["resumed"] = _full(engine, {"model": resumed, "optimizer": resumed_opt}, work / "resumed.pt")
+    out["trainer"] = trainer_run(engine, spec)
+    return out
+
+
+class _Seen:
+    """Each step's loss, averaged over the ranks, and the module callbacks see."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.modules: list[Any] = []
+
+    @sg.hookimpl
+    def on_train_batch_end(self, trainer: Any, outputs: Any, batch: Any, batch_idx: int, step: int) -> None:
+        self.losses.append(float(trainer.engine.all_reduce(outputs.detach(), "mean")))
+        self.modules.append(trainer.module)
+
+
+def trainer_run(engine: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """``trainer.fit(torch.compile(module, **options))``, as Lightning documents it: what the Trainer holds and
+    compiled, the line it printed, its losses, and its full checkpoint's keys (rank 0)."""
+    work = Path(spec["workdir"]) / "trainer"
+    module = m.build_step_module(m.MODEL_SEED)
+    seen = _Seen()
+    trainer = sg.Trainer(
+        strategy=spec["strategy"],
+        accelerator="cpu",
+        devices=engine.world_size,
+        max_steps=TRAINER_STEPS,
+        enable_progress_bar=False,
+        loggers=[],
+        default_root_dir=work,
+        callbacks=[seen],
+    )
+    loader = torch.utils.data.DataLoader(m.dataset(engine.world_size), batch_size=PER_RANK_BATCH)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.fit(torch.compile(module, **spec["compile"]), loader)
+    trainer.save_checkpoint(work / "full.ckpt", format="full")
+    out = {
+        "holds_the_module": trainer.module is module and all(s is module for s in seen.modules),
+        "regions": list(trainer.engine.compiled_regions),
+        "printed": printed.getvalue().splitlines(),
+        "losses": seen.losses,
+    }
+    if engine.rank == 0:
+        out["keys"] = list(torch.load(work / "full.ckpt", weights_only=True)["model"]["model"])
+    trainer.engine.teardown()
     return out
 
 

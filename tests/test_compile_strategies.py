@@ -1,7 +1,8 @@
 """``compile=`` under every strategy family, on real gloo runs: ten compiled AdamW steps match one eager process
 on the global batch within 1e-5 relative (fp32), Dynamo compiled frames in the first step and none after the
 second, checkpoints cross between compiled and plain models in both directions and both formats with
-bit-equal weights and the plain model's keys, and a compiled run resumes exactly.
+bit-equal weights and the plain model's keys, a compiled run resumes exactly, and the Trainer takes the module
+given as ``torch.compile(module)`` (as Lightning documents it), compiled in the framework's place with its options.
 
 One launch per strategy answers every check of that strategy. Each family has a run compiled by inductor
 (``ddp``, ``fsdp``, ``tp``, ``deepspeed_stage_2``); the others use ``aot_eager`` (Dynamo and AOTAutograd,
@@ -57,6 +58,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory, inductor_cache: Path) -> 
                 strategy = sg.get_registry().get(registered).create(**{key: int(value)})
             formats = sorted(sg.get_registry().get(registered).capabilities.checkpoint_formats)
             spec = {"workdir": str(tmp_path_factory.mktemp(name)), "compile": options, "formats": formats}
+            spec["strategy"] = label  # the Trainer's, by name and options
             done[name] = sg.Engine(strategy=strategy, accelerator="cpu", devices=devices).launch(w.run, spec)
         return done[name]
 
@@ -108,6 +110,26 @@ def test_a_compiled_run_resumes_exactly(launched: Any, name: str) -> None:
     assert run["resumed_losses"] == run["losses"][w.SAVE_AT :]
     unequal = [k for k in run["final"] if not torch.equal(run["resumed"][k], run["final"][k])]
     assert not unequal, f"resumed from step {w.SAVE_AT}: not bit-equal in {unequal}"
+
+
+@pytest.mark.parametrize("name", _params(None))
+def test_the_trainer_takes_a_torch_compiled_module(launched: Any, name: str) -> None:
+    """``trainer.fit(torch.compile(module, backend=...))``: the Trainer and its callbacks hold the module itself,
+    compiled per block in the strategy's place with the backend given, one line says so, and it trains as the
+    Engine's compiled run; its checkpoint's keys are the plain model's."""
+    run = launched(name)
+    trainer = run["trainer"]
+    assert trainer["holds_the_module"]
+    assert trainer["regions"] == ["blocks.0", "blocks.1"], trainer["regions"]
+    options = ", ".join(f"{k}={v}" for k, v in RUNS[name][2].items())
+    notes = [line for line in trainer["printed"] if "came compiled by torch.compile" in line]
+    assert len(notes) == 1 and notes[0].endswith(f"({options})."), trainer["printed"]
+    assert len(trainer["losses"]) == w.TRAINER_STEPS
+    for step, (got, want) in enumerate(zip(trainer["losses"], run["losses"])):
+        assert abs(got - want) <= TOLERANCE * abs(want), (
+            f"step {step + 1}: loss {got!r} vs the Engine's {want!r}"
+        )
+    assert sorted(trainer["keys"]) == sorted(run["final"]), trainer["keys"]
 
 
 def test_graph_breaks_under_deepspeed_zero3_are_reported_once_by_region(launched: Any) -> None:

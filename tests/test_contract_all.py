@@ -135,9 +135,9 @@ def test_certified(certificates: Any, family: str, name: str) -> None:
     assert set(skipped) <= {"checkpoint_formats", "precisions", "accelerators", "compile"}, skipped
 
 
-#: The core's launchers. stratagem-ray's and stratagem-slurm's are certified in their own tests, on the Ray and
-#: SLURM clusters those tests start.
-LAUNCHER_PACKAGES = ("stratagem",)
+#: The launchers certified here: the core's, and the third-party example's. stratagem-ray's and stratagem-slurm's
+#: are certified in their own tests, on the Ray and SLURM clusters those tests start.
+LAUNCHER_PACKAGES = ("stratagem", "stratagem-subprocess-launcher")
 LAUNCHERS = sorted(
     name for name, info in get_registry().launchers.items() if info.plugin.distribution in LAUNCHER_PACKAGES
 )
@@ -147,11 +147,19 @@ def test_every_repository_launcher_is_certified() -> None:
     assert "elastic" in LAUNCHERS, f"launchers of the repository's packages: {LAUNCHERS}"
 
 
+@pytest.fixture(scope="module")
+def launcher_certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any] | None, str]:
+    """Every launcher of LAUNCHERS certified by one ``stratagem contract --launcher A --launcher B ...``: each
+    makes its own three launches, and the suite's start-up is paid once."""
+    workdir = tmp_path_factory.mktemp("contract-launchers")
+    return _certify([], workdir, *(option for name in LAUNCHERS for option in ("--launcher", name)))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", LAUNCHERS)
-def test_launcher_certified(name: str, tmp_path: Path) -> None:
-    document, output = _certify([], tmp_path, "--launcher", name)
+def test_launcher_certified(launcher_certificate: tuple[dict[str, Any] | None, str], name: str) -> None:
+    document, output = launcher_certificate
     subject = _subject(document, "launcher", name, output)
     verdict, reasons = certificate.recompute(subject)
     assert verdict == "passed", "\n".join(reasons) + f"\n{output}"

@@ -67,7 +67,7 @@ def test_a_lost_node_leaves_the_other_to_finish_at_the_smaller_world_size(tmp_pa
     sharded checkpoint, resharded from 2 ranks to 1, keeping the global batch by accumulation."""
     import time
 
-    from stratagem.launchers._spawn import free_port
+    from stratagem.launchers._worker_start import free_port
 
     root, port = tmp_path / "elastic", free_port()
     steps = 14

@@ -56,7 +56,7 @@ PLUGIN_LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("_sections",),
         ("_config", "_optimizers"),
         ("_state", "_wrappers", "_offline"),
-        ("_checkpoint",),
+        ("_checkpoint", "_hf"),
         ("strategy",),
         ("",),
     ],
@@ -72,6 +72,7 @@ PLUGIN_LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("",),
     ],
     "stratagem_localsgd": [("strategy",), ("",)],
+    "stratagem_subprocess": [("worker",), ("launcher",), ("",)],
 }
 
 PACKAGES = [
@@ -84,6 +85,7 @@ PACKAGES = [
     "stratagem_tp",
     "stratagem_localsgd",
     "stratagem_pp",
+    "stratagem_subprocess",
 ]
 
 

@@ -19,7 +19,7 @@ ARGS = ["--devices", "2", "--steps", "6", "--batch", "4", "--shuffle", "--dropou
 
 
 def _two_nodes(tmp_path: Path) -> list[dict]:
-    from stratagem.launchers._spawn import free_port
+    from stratagem.launchers._worker_start import free_port
 
     out = tmp_path / "nodes"
     endpoint = f"127.0.0.1:{free_port()}"

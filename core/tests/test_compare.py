@@ -125,7 +125,7 @@ def test_single_device_json_and_plot(tmp_path: Path) -> None:
     assert rank["peak_rss_above_baseline_bytes"] == rank["peak_rss_bytes"] - rank["baseline_rss_bytes"]
     assert len(rank["step_times_s"]) == 3 and rank["cuda_max_allocated_bytes"] is None
     # The launcher's allocator setting reached the worker.
-    from stratagem.launchers._spawn import CPU_ALLOCATOR_ENV
+    from stratagem.launchers._worker_start import CPU_ALLOCATOR_ENV
 
     assert all(rank["allocator_env"].get(k) == v for k, v in CPU_ALLOCATOR_ENV.items())
     if has_matplotlib:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from stratagem import ConfigurationError, hookimpl
-from stratagem.contract import _model as m
+from stratagem.contract import _suite_model as m
 from stratagem.engine import Engine
 from stratagem.errors import CompileError
 from stratagem.strategies import Strategy, _regions

@@ -126,7 +126,7 @@ def test_wrong_all_reduce_fails_the_all_reduce_check(report: dict[str, tuple[str
 def test_a_strategy_that_declares_it_cannot_compile_skips_the_compile_section(
     report: dict[str, tuple[str, str]],
 ) -> None:
-    from stratagem.contract._checks import skipped_declaration
+    from stratagem.contract._comparisons import skipped_declaration
 
     compile_checks = {
         k: v for k, v in _results(report, "contract_broken_all_reduce").items() if "test_compile" in k
@@ -188,7 +188,7 @@ def test_a_third_party_zero_strategy_written_from_the_hooks_is_certified(
 ) -> None:
     """DDP + ZeroRedundancyOptimizer, checkpoints customised through the hooks only: everything passes, and
     the only skips are the sharded format it does not declare, named as a structured declaration."""
-    from stratagem.contract._checks import skipped_declaration
+    from stratagem.contract._comparisons import skipped_declaration
 
     results = _results(report, ZERO)
     assert len(results) >= 20, sorted(results)

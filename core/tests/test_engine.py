@@ -34,6 +34,27 @@ def test_auto_takes_the_strategy_stratagem_run_names(monkeypatch) -> None:
     assert sg.Engine(strategy="single_device", accelerator="cpu").strategy.name == "single_device"
 
 
+def test_a_strategy_name_takes_options_in_brackets(monkeypatch) -> None:
+    """As ``stratagem compare`` and the contract suite take them: ``Trainer(strategy="fsdp_tp[tp_size=2]")``,
+    ``stratagem demo --strategy ...`` and ``stratagem run --strategy ...`` (through the environment)."""
+    pytest.importorskip("stratagem_ddp")
+    monkeypatch.delenv(STRATEGY_ENV, raising=False)
+    engine = sg.Engine(
+        strategy="ddp[static_graph=true,gradient_as_bucket_view=true]", accelerator="cpu", devices=2
+    )
+    assert engine.needs_launch and engine.strategy_name == "ddp"
+    assert (
+        engine.strategy.config.static_graph is True and engine.strategy.config.gradient_as_bucket_view is True
+    )
+    monkeypatch.setenv(STRATEGY_ENV, "ddp_find_unused_parameters_true[static_graph=true]")
+    config = sg.Engine(accelerator="cpu", devices=2).strategy.config
+    assert config.static_graph is True and config.find_unused_parameters is True  # the name's own, kept
+    with pytest.raises(UnknownStrategyError, match=r"Unknown strategy 'ddq'\. Did you mean 'ddp'"):
+        sg.Engine(strategy="ddq[static_graph=true]", accelerator="cpu", devices=2)
+    with pytest.raises(ConfigurationError, match=r"cannot read 'ddp\[static_graph=true'"):
+        sg.Engine(strategy="ddp[static_graph=true", accelerator="cpu", devices=2)
+
+
 def test_an_unlaunched_multi_process_engine_says_how_to_launch() -> None:
     engine = sg.Engine(strategy=wl.GradAverage(), accelerator="cpu", devices=2)
     assert engine.needs_launch

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import stratagem as sg
-from stratagem.launchers import _spawn as launcher
+from stratagem.launchers import _worker_start
 
 WORKLOADS = Path(__file__).parent / "workloads"
 sys.path.insert(0, str(WORKLOADS))
@@ -107,6 +107,11 @@ def test_run_refuses_bad_input_before_launching(tmp_path: Path) -> None:
     unknown = _stratagem("run", "--strategy", "dpp", "--devices", "2", str(script))
     assert unknown.returncode == 2 and "Unknown strategy 'dpp'" in unknown.stderr
     assert "should not run" not in unknown.stderr
+    # A name with options (the workers' Engine reads them): the name is checked here, and the brackets.
+    unknown = _stratagem("run", "--strategy", "dpp[static_graph=true]", "--devices", "2", str(script))
+    assert unknown.returncode == 2 and "Unknown strategy 'dpp'" in unknown.stderr
+    unread = _stratagem("run", "--strategy", "ddp[static_graph=true", "--devices", "2", str(script))
+    assert unread.returncode == 2 and "--strategy: cannot read 'ddp[static_graph=true'" in unread.stderr
     missing = _stratagem("run", "--devices", "2", str(tmp_path / "absent.py"))
     assert missing.returncode == 2 and "no such script" in missing.stderr
     nodes = _stratagem("run", "--nnodes", "2", str(script))
@@ -115,18 +120,18 @@ def test_run_refuses_bad_input_before_launching(tmp_path: Path) -> None:
 
 def test_worker_environment_shares_the_cores_and_keeps_user_settings(monkeypatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    env = launcher.worker_environment("cpu", {"X": "1"}, nproc_per_node=2)
-    assert env[launcher.WORKER_ENV] == "1" and env["X"] == "1"
+    env = _worker_start.worker_environment("cpu", {"X": "1"}, nproc_per_node=2)
+    assert env[_worker_start.WORKER_ENV] == "1" and env["X"] == "1"
     assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert "OMP_NUM_THREADS" not in launcher.worker_environment("cpu", None, nproc_per_node=2)
+    assert "OMP_NUM_THREADS" not in _worker_start.worker_environment("cpu", None, nproc_per_node=2)
 
 
 def test_a_task_that_srun_started_gets_the_threads_of_an_elastic_worker() -> None:
-    from stratagem.launchers._spawn import task_threads
+    from stratagem.launchers import worker_threads
 
     cores = os.cpu_count() or 1
-    assert task_threads({"SLURM_CPUS_PER_TASK": "3", "SLURM_NTASKS": "8", "SLURM_NNODES": "2"}) == 3
+    assert worker_threads({"SLURM_CPUS_PER_TASK": "3", "SLURM_NTASKS": "8", "SLURM_NNODES": "2"}) == 3
     # No CPUs given per task: the node's cores shared by the step's tasks on it, as devices=4 would share them.
-    assert task_threads({"SLURM_NTASKS": "8", "SLURM_NNODES": "2"}) == max(1, cores // 4)
-    assert task_threads({"SLURM_NTASKS": "1", "SLURM_NNODES": "1"}) == cores
+    assert worker_threads({"SLURM_NTASKS": "8", "SLURM_NNODES": "2"}) == max(1, cores // 4)
+    assert worker_threads({"SLURM_NTASKS": "1", "SLURM_NNODES": "1"}) == cores

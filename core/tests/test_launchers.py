@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -40,8 +41,8 @@ def test_unknown_names_say_what_exists(monkeypatch) -> None:
         sg.Engine(strategy="ddp", accelerator="cpu", devices=2)
 
 
-def test_a_launcher_from_a_package_that_is_not_installed_gives_the_pip_command() -> None:
-    # Only the built-ins load: as on a machine without stratagem-ray.
+def test_a_launcher_that_is_not_installed_says_where_launchers_come_from() -> None:
+    # Only the built-ins load: the core alone names no plugin package, and says where to look.
     code = (
         "import stratagem as sg\n"
         "from stratagem.strategies import TorchDistributedStrategy\n"
@@ -55,9 +56,10 @@ def test_a_launcher_from_a_package_that_is_not_installed_gives_the_pip_command()
         timeout=120,
         env={**os.environ, "STRATAGEM_PLUGINS": ""},
     )
-    assert "Unknown launcher 'ray'. It comes with stratagem-ray: pip install stratagem-ray." in done.stdout, (
-        done.stdout + done.stderr
-    )
+    assert (
+        "Unknown launcher 'ray'. Installed launchers: elastic. Other launchers come with plugin packages: "
+        "`stratagem launchers` lists what is installed" in done.stdout
+    ), done.stdout + done.stderr
 
 
 def test_capabilities_are_checked_before_anything_starts() -> None:
@@ -102,6 +104,36 @@ def test_launcher_options_reach_the_named_launcher(monkeypatch) -> None:
         sg.Engine(**common, launcher_options={"tga": "x"})
     with pytest.raises(ConfigurationError, match="give the options to its constructor"):
         sg.Engine(**{**common, "launcher": _Tagged()}, launcher_options={"tag": "x"})
+
+
+class _AllNodes(Launcher):
+    """Starts every node's workers from this process (as stratagem-ray's does); here it runs nothing."""
+
+    def __init__(self, tag: str = "none") -> None:
+        self.tag = tag
+
+    @sg.hookimpl
+    def launch_workers(self, job: Any) -> dict[int, Any]:
+        return {0: (self.tag, job.max_nodes, job.nproc_per_node)}
+
+
+def test_an_instance_built_by_hand_has_its_registered_capabilities(monkeypatch) -> None:
+    # Trainer(num_nodes=4, launcher=RayLauncher(address=...)): the instance has no registered name, its class
+    # does. Found by its class, it may start every node, and what it cannot run is refused before launching.
+    plugin = PluginInfo(name="t", distribution="test-launchers", version="0")
+    for name, factory, nodes in (("all_nodes", _AllNodes, True), ("one_node", _Tagged, False)):
+        info = LauncherInfo(
+            name=name,
+            factory=f"{factory.__module__}:{factory.__qualname__}",
+            description="d",
+            capabilities=LauncherCapabilities(multi_node=nodes, starts_all_nodes=nodes),
+            plugin=plugin,
+        )
+        monkeypatch.setitem(sg.get_registry().launchers, name, info)
+    engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2, num_nodes=2, launcher=_AllNodes("x"))
+    assert engine.launch(print) == ("x", 2, 2)
+    with pytest.raises(ConfigurationError, match=r"Launcher 'one_node' cannot run 2 nodes"):
+        sg.Engine(strategy="ddp", accelerator="cpu", devices=1, num_nodes=2, launcher=_Tagged())
 
 
 def test_elastic_cannot_start_other_nodes_from_one_process() -> None:

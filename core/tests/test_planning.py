@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stratagem.contract import _model as m
+from stratagem.contract import _suite_model as m
 from stratagem.errors import ConfigurationError, UnknownStrategyError
 from stratagem.planning import Workload, World, parse_bytes, plan
 from stratagem.planning._plan import far_ranks
@@ -154,14 +154,14 @@ def _real_activations(workload: Workload, batch_size: int, sequence_length: int)
 def test_activations_are_within_a_quarter_of_torchs_tracker_on_a_real_step(
     model: str, tmp_path: Path
 ) -> None:
-    from stratagem.cli.plan import _models
+    from stratagem.cli.plan import _plan_models
 
     if model == "llama":
         pytest.importorskip("transformers")
         (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-        workload = _models.workload(str(tmp_path / "config.json"))
+        workload = _plan_models.workload(str(tmp_path / "config.json"))
     else:
-        workload = _models.workload("demo")
+        workload = _plan_models.workload("demo")
     real = _real_activations(workload, 4, 32)
     planned = plan(workload, World(devices=1, batch_size=4, sequence_length=32), strategies=["single_device"])
     estimate = planned.strategies[0].largest.activations
@@ -255,10 +255,10 @@ def test_2048_ranks_hold_what_the_sharding_rules_give(
     strategy, layers, rank, expected, tmp_path: Path
 ) -> None:
     pytest.importorskip("transformers")
-    from stratagem.cli.plan import _models
+    from stratagem.cli.plan import _plan_models
 
     (tmp_path / "config.json").write_text(json.dumps({**WIDE, "num_hidden_layers": layers}))
-    workload = _models.workload(str(tmp_path / "config.json"))
+    workload = _plan_models.workload(str(tmp_path / "config.json"))
     result = plan(
         workload, World(devices=8, nodes=256, sequence_length=64), strategies=[strategy]
     ).strategies[0]

@@ -2,8 +2,9 @@
 prints what is missing and exits 1 if anything is (tests/test_docs.py runs it on every build).
 
 It knows nothing of the generators: what must be documented comes from the importable code (``__all__`` of
-``stratagem``, ``stratagem.callbacks``, ``stratagem.loggers`` and of every plugin package under plugins/, and
-every function pluggy knows as a hook spec of ``stratagem.hookspecs``); what is documented comes from the
+``stratagem``, of the modules that hold the plugin author's API (:data:`PLUGIN_API`), of ``stratagem.callbacks``
+and ``stratagem.loggers``, and of every plugin package under plugins/, and every function pluggy knows as a hook
+spec of ``stratagem.hookspecs``); what is documented comes from the
 site's ``objects.inv`` (where each name's entry is) and its HTML (what that entry says). An entry counts only
 with a docstring, and a hook spec's entry only if it also shows each of the spec's arguments.
 """
@@ -28,10 +29,23 @@ def plugin_packages(root: Path = ROOT) -> list[str]:
     return sorted(p.parent.name for p in root.glob("plugins/*/src/*/__init__.py"))
 
 
+#: The public modules a plugin imports from (docs/plugin-authors.md, "The plugin API"): each name of their
+#: ``__all__`` must have an entry, at that path or as an alias of the one where it is documented.
+PLUGIN_API = [
+    "stratagem.strategies",
+    "stratagem.strategies.compiling",
+    "stratagem.launchers",
+    "stratagem.checkpoint",
+    "stratagem.checkpoint.layouts",
+    "stratagem.registry",
+]
+
+
 def public_names(root: Path = ROOT) -> list[str]:
     """The full paths of the names that must have an entry."""
     names = []
-    for module_name in ["stratagem", "stratagem.callbacks", "stratagem.loggers", *plugin_packages(root)]:
+    modules = ["stratagem", *PLUGIN_API, "stratagem.callbacks", "stratagem.loggers", *plugin_packages(root)]
+    for module_name in modules:
         module = importlib.import_module(module_name)
         names += [f"{module_name}.{name}" for name in module.__all__]
     return names

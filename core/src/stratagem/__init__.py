@@ -10,10 +10,7 @@ The packages, bottom layer first (``docs/architecture.md``): ``errors`` and ``ho
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stratagem.errors import (
     CapabilityError,
@@ -92,47 +89,3 @@ __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-#: Module paths from before the core was grouped into packages, which plugins and documentation name. Each
-#: still imports, as the same module object as its new home (``stratagem.testing.plugin`` *is*
-#: ``stratagem.contract.plugin``), and only when asked for.
-MOVED_MODULES = {
-    "stratagem.testing": "stratagem.contract",
-    "stratagem.wrapping": "stratagem.strategies.wrapping",
-    "stratagem.precision": "stratagem.strategies.precision",
-    "stratagem.capabilities": "stratagem.registry.capabilities",
-    "stratagem.cluster": "stratagem.launchers.cluster",
-    "stratagem.launcher": "stratagem.launchers._spawn",
-    "stratagem.module": "stratagem.trainer.module",
-    "stratagem.seed": "stratagem.engine.seed",
-    "stratagem.data": "stratagem.engine.data",
-}
-
-
-def _new_home(name: str) -> str | None:
-    for old, new in MOVED_MODULES.items():
-        if name == old or name.startswith(old + "."):
-            return new + name[len(old) :]
-    return None
-
-
-class _MovedModuleFinder:
-    """Finds an old module path and hands back the module at its new one (imported there, under its own name)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        new = _new_home(fullname)
-        return None if new is None else importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: Any) -> Any:
-        module = importlib.import_module(_new_home(spec.name))  # type: ignore[arg-type]
-        self._own_spec = module.__spec__
-        return module
-
-    def exec_module(self, module: Any) -> None:
-        # The import system set the alias's spec on the module; it keeps its own.
-        module.__spec__ = self._own_spec
-
-
-if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _MovedModuleFinder())

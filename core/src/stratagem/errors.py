@@ -17,17 +17,38 @@ class StratagemError(Exception):
     """Base class of every stratagem error."""
 
 
-class UnknownStrategyError(StratagemError, KeyError):
-    """A strategy name that no installed plugin registers."""
+def _unknown(
+    kind: str, plural: str, name: str, installed: list[str], closest: str | None, install: str
+) -> str:
+    """The message for a name no installed plugin registers: what to install (as an installed plugin declared
+    it), else the closest name; what is installed; and, with neither, where other names come from."""
+    message = f"Unknown {kind} {name!r}."
+    if install:
+        message += f" {install}"
+    elif closest:
+        message += f" Did you mean {closest!r}?"
+    message += f" Installed {plural}: {', '.join(installed) or '(none)'}."
+    if not (install or closest):
+        listing = "callbacks" if kind == "logger" else plural
+        message += (
+            f" Other {plural} come with plugin packages: `stratagem {listing}` lists what is installed, and "
+            "stratagem's documentation lists the plugin packages."
+        )
+    return message
 
-    def __init__(self, name: str, installed: Iterable[str], hint: str = "") -> None:
+
+class UnknownStrategyError(StratagemError, KeyError):
+    """A strategy name that no installed plugin registers.
+
+    :param hint: more to say (the plugins that failed to load).
+    :param install: what to install, as an installed plugin declared it (``register_install_hints``).
+    """
+
+    def __init__(self, name: str, installed: Iterable[str], hint: str = "", install: str = "") -> None:
         self.name = name
         self.installed = sorted(installed)
         self.closest = _closest(name, self.installed)
-        message = f"Unknown strategy {name!r}."
-        if self.closest:
-            message += f" Did you mean {self.closest!r}?"
-        message += f" Installed strategies: {', '.join(self.installed) or '(none)'}."
+        message = _unknown("strategy", "strategies", name, self.installed, self.closest, install)
         if hint:
             message += f" {hint}"
         super().__init__(message)
@@ -36,25 +57,14 @@ class UnknownStrategyError(StratagemError, KeyError):
         return str(self.args[0])
 
 
-#: Launchers that live in their own distribution, for the hint when one is asked for but not installed.
-KNOWN_LAUNCHER_PACKAGES = {"ray": "stratagem-ray", "slurm": "stratagem-slurm"}
-
-
 class UnknownLauncherError(StratagemError, KeyError):
-    """A launcher name that no installed plugin registers."""
+    """A launcher name that no installed plugin registers (``install``: as :class:`UnknownStrategyError`)."""
 
-    def __init__(self, name: str, installed: Iterable[str]) -> None:
+    def __init__(self, name: str, installed: Iterable[str], install: str = "") -> None:
         self.name = name
         self.installed = sorted(installed)
         self.closest = _closest(name, self.installed)
-        message = f"Unknown launcher {name!r}."
-        package = KNOWN_LAUNCHER_PACKAGES.get(name)
-        if package:
-            message += f" It comes with {package}: pip install {package}."
-        elif self.closest:
-            message += f" Did you mean {self.closest!r}?"
-        message += f" Installed launchers: {', '.join(self.installed) or '(none)'}."
-        super().__init__(message)
+        super().__init__(_unknown("launcher", "launchers", name, self.installed, self.closest, install))
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -63,16 +73,12 @@ class UnknownLauncherError(StratagemError, KeyError):
 class UnknownNameError(StratagemError, KeyError):
     """A callback or logger name that no installed plugin registers (``kind`` says which)."""
 
-    def __init__(self, kind: str, name: str, installed: Iterable[str]) -> None:
+    def __init__(self, kind: str, name: str, installed: Iterable[str], install: str = "") -> None:
         self.kind = kind
         self.name = name
         self.installed = sorted(installed)
         self.closest = _closest(name, self.installed)
-        message = f"Unknown {kind} {name!r}."
-        if self.closest:
-            message += f" Did you mean {self.closest!r}?"
-        message += f" Installed {kind}s: {', '.join(self.installed) or '(none)'}."
-        super().__init__(message)
+        super().__init__(_unknown(kind, f"{kind}s", name, self.installed, self.closest, install))
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -224,3 +230,18 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+def __getattr__(name: str) -> object:
+    if name == "KNOWN_LAUNCHER_PACKAGES":
+        import warnings
+
+        warnings.warn(
+            "stratagem.errors.KNOWN_LAUNCHER_PACKAGES is deprecated and empty: the core names no plugin package. "
+            "What to install for a launcher comes from the installed plugins (the register_install_hints hook); "
+            "get_registry().hints.sentence('launcher', name) says it.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return {}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,6 +22,7 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
+    from stratagem.checkpoint._hf_shards import WeightShard
     from stratagem.launchers._job import LaunchJob
     from stratagem.launchers.cluster import ClusterEnvironment
     from stratagem.planning import MemoryEstimate, World
@@ -50,6 +51,21 @@ def register_strategies(register: Callable[..., None]) -> None:
     Must not import heavy modules (torch, deepspeed): pass a ``"pkg.module:Class"`` string as factory.
 
     :param register: ``register(name, factory, *, description, capabilities, **preset_options)``.
+    """
+
+
+@hookspec
+def register_install_hints(register: Callable[..., None]) -> None:
+    """Say which distributions provide names this plugin does not register.
+
+    That is the hint a user gets when one of those names is asked for and not installed (``Unknown launcher
+    'ray'. It comes with stratagem-ray: pip install stratagem-ray.``). The core names no plugin package, so
+    what to install comes from the plugins that are installed: a family of packages names its siblings. Called once per plugin when the registry is built; every implementation
+    runs. Must not import heavy modules.
+
+    :param register: ``register(distribution, *, strategies=(), launchers=(), callbacks=(), loggers=(),
+        install=None)``: the names of each kind that ``distribution`` registers; ``install`` is what to
+        ``pip install`` (default: the distribution).
     """
 
 
@@ -291,6 +307,25 @@ def load_checkpoint(path: str, state: dict[str, Any], strict: bool) -> dict[str,
     :param state: the live objects to fill, keyed as when saved.
     :param strict: when true, missing or unexpected keys are an error.
     :returns: the saved entries that are neither modules, optimizers nor stateful objects of ``state``.
+    """
+
+
+@hookspec(firstresult=True)
+def weight_shards(model: torch.nn.Module, purpose: str) -> list[WeightShard]:
+    """This rank's part of every tensor of the model's state dict, as live views, for Hugging Face weights.
+
+    Called on every rank. Stops at the first non-``None`` result. Loading safetensors (``init_weights``) writes
+    into each shard's tensor and reads only the checkpoint bytes it covers; an export reads each shard and
+    writes it in place in the output files, one replica of each part. The base class takes the sharded state
+    dict (``module_state_dict(full=False)``), whose tensors share memory with the model's: DTensors as
+    rectangles of their global tensors, plain tensors whole. A strategy that keeps tensors another way returns
+    its own (ranges of flattened tensors for ZeRO-3 partitions).
+
+    :param model: the module ``wrap_model`` returned.
+    :param purpose: ``"load"`` (before the optimizers are set up: writing the shards must be all it takes) or
+        ``"export"`` (reading them).
+    :returns: a list of :class:`~stratagem.checkpoint.hf.WeightShard`, named as in the unwrapped model's state
+        dict; together the ranks' shards cover every tensor.
     """
 
 

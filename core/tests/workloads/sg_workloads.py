@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -181,6 +182,12 @@ def reference_loop(
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def _local_shards(state: dict[str, Any]) -> dict[str, Any]:
+    by_param = state["state"].items()
+    local = {k: {n: v.to_local() if hasattr(v, "to_local") else v for n, v in s.items()} for k, s in by_param}
+    return {**state, "state": local}
+
+
 def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
     """What the tests compare, gathered to plain tensors."""
     assert trainer.model is not None
@@ -191,7 +198,9 @@ def snapshot(trainer: sg.Trainer, module: Regression) -> dict[str, Any]:
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in module.state_dict().items()
         },
-        "optimizer": optimizer.state_dict(),
+        # FSDP's optimizer state (DTensors) as each rank's own shards: a DTensor in the file would unpickle its
+        # DeviceMesh where the file is read, in a process without the run's process groups, and torch warns then.
+        "optimizer": _local_shards(optimizer.state_dict()),
         "losses": list(module.losses),
         "step": trainer.global_step,
         "epoch": trainer.current_epoch,
@@ -329,6 +338,7 @@ def main(argv: list[str]) -> None:
         result["rank"] = trainer.engine.rank
         result["strategy"] = trainer.strategy.name
         result["node_id"] = _ray_node_id()
+        result["host"] = socket.gethostname()  # where this rank ran (a host of the tests across hosts)
         results.append(result)
     # The engine's rank: under srun only SLURM_PROCID says it.
     rank = results[-1]["rank"] if results else int(os.environ.get("RANK", "0"))

@@ -9,8 +9,8 @@ import sys
 import importlib_metadata
 import pytest
 
+from stratagem import get_registry
 from stratagem.errors import CapabilityError
-from stratagem.registry._manager import get_registry
 
 
 def test_entry_point_of_the_installed_distribution() -> None:
@@ -57,7 +57,7 @@ def test_requests_checked_against_declarations() -> None:
 
 def test_listing_strategies_does_not_import_torch() -> None:
     code = (
-        "import sys, json; from stratagem.registry._manager import get_registry; r = get_registry(); "
+        "import sys, json; from stratagem import get_registry; r = get_registry(); "
         "print(json.dumps([r.names(), [str(b) for b in r.broken], 'torch' in sys.modules, "
         "'stratagem_ddp._plugin' in sys.modules]))"
     )

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from stratagem import get_registry
 from stratagem.errors import ConfigurationError
-from stratagem.registry._manager import get_registry
 from stratagem_deepspeed._config import DeepSpeedConfig
 
 NAMES = [
@@ -43,7 +43,7 @@ def test_every_name_is_registered_with_its_preset() -> None:
 
 def test_listing_imports_neither_torch_nor_deepspeed() -> None:
     code = (
-        "import sys, json; from stratagem.registry._manager import get_registry; r = get_registry(); "
+        "import sys, json; from stratagem import get_registry; r = get_registry(); "
         "print(json.dumps([sorted(r.names()), 'torch' in sys.modules, 'deepspeed' in sys.modules]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -75,7 +75,7 @@ def test_missing_deepspeed_lists_and_refuses_before_launch(tmp_path: Path) -> No
     code = f"""
 import json, site, sys
 site.addsitedir({str(farm)!r})
-from stratagem.registry._manager import get_registry
+from stratagem import get_registry
 import stratagem as sg
 info = get_registry().get("deepspeed_stage_2").to_json()
 try:

@@ -89,7 +89,7 @@ def test_stage_3_configure_model_shards_each_layer_as_it_is_built(runs: dict[str
 
 
 def test_stage_3_offload_to_cpu_matches_one_process(runs: dict[str, Any]) -> None:
-    from stratagem.registry._manager import get_registry
+    from stratagem import get_registry
     from stratagem_deepspeed import DeepSpeedStrategy
 
     want = w.reference()

@@ -507,6 +507,8 @@ def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
     out["replicas_equal"] = all(torch.equal(gathered[r], gathered[r % shards]) for r in range(world))
     hsdp_dir = str(Path(workdir) / "hsdp_sharded")
     engine.save(hsdp_dir, {"model": model, "optimizer": opt}, format="sharded")
+    with torch.no_grad():  # the trained model's outputs, which Module.load_from_checkpoint must reproduce
+        out["hsdp_probe"] = model(global_batch(STEPS)[0]).detach().clone()
     fresh = make_model(99)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
     fresh, fresh_opt = engine.setup(fresh, fresh_opt)

@@ -228,7 +228,7 @@ def test_hybrid_sizes_that_do_not_fit_are_refused() -> None:
 
 
 def test_registered_names_and_capabilities() -> None:
-    from stratagem.registry._manager import get_registry
+    from stratagem import get_registry
 
     registry = get_registry()
     for name in ("fsdp", "fsdp_cpu_offload", "hsdp"):

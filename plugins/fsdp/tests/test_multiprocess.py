@@ -321,6 +321,24 @@ def test_hsdp_sharded_checkpoint_round_trip(run4: dict) -> None:
     assert run4["hsdp_reload_diff"] == 0.0
 
 
+class NetModule(w.Net, sg.Module):
+    """The tests' model as a Module, for ``load_from_checkpoint``."""
+
+
+def test_load_from_checkpoint_of_the_hsdp_checkpoint_in_one_process(run4: dict, workdir: Path) -> None:
+    # Offline, no process group: shards replicated over two replicas, read back whole once.
+    module = NetModule.load_from_checkpoint(workdir / "hsdp_sharded")
+    assert w.max_diff(dict(module.named_parameters()), run4["hsdp_params"]) == 0.0
+    x = w.global_batch(w.STEPS)[0]
+    with torch.no_grad():
+        output, untrained = module(x), w.make_model()(x)
+    # Against what the 2 x 2 model computed on the same inputs (whole parameters gathered there too).
+    probe = run4["hsdp_probe"]
+    scale = float(probe.abs().max())
+    assert float((output - probe).abs().max()) < 1e-6 * scale
+    assert float((untrained - probe).abs().max()) > 1e-1 * scale
+
+
 def test_two_process_sharded_checkpoint_loads_at_four(run2: dict, run4: dict) -> None:
     saved = run2["checkpoints"]
     assert run4["resharded_rest"] == {"step": 2}

@@ -3,9 +3,10 @@ the launches that batch them: module-level, so that spawned workers import them.
 
 Launch A (2 processes): ``pp`` at 2 stages with every schedule (4 stages, 2 per rank, for the interleaved ones),
 a model built on the meta device, a tiny Hugging Face Llama split by its own plan, a custom loop, checkpoints
-(exact resume, a full checkpoint, the sharded one loaded under ``fsdp``), and bad input. Launch B (4
-processes): ``pp`` at 4 stages, ``pp_fsdp`` 2 x 2, ``pp_fsdp_tp`` 2 x 1 x 2, launch A's checkpoints loaded at
-4 stages, the demo under ``pp_fsdp``. Launch C: a rank that dies in the middle of a schedule.
+(exact resume, a full checkpoint, the sharded one loaded under ``fsdp``), predict, epochs with a shorter last
+batch, and bad input. Launch B (4 processes): ``pp`` at 4 stages, ``pp_fsdp`` 2 x 2 and ``pp_fsdp_tp`` 2 x 1 x 2
+(each with predict), launch A's checkpoints loaded at 4 stages, the demo under ``pp_fsdp``. Launch C: a rank that
+dies in the middle of a schedule.
 """
 
 from __future__ import annotations
@@ -67,13 +68,14 @@ def fit(
     module_fn: Any = w.make_module,
     data: list | None = None,
     dp: int = 1,
+    val_batches: int = 1,
     empty_init: bool = False,
     snapshot_at: int | None = None,
     ckpt_path: str | None = None,
     callbacks: tuple[Any, ...] = (),
     **options: Any,
 ) -> dict[str, Any]:
-    """``Trainer.fit`` for 10 AdamW steps with clipping, then ``Trainer.validate`` on the first batch."""
+    """``Trainer.fit`` for 10 AdamW steps with clipping, then ``Trainer.validate`` on the first batches."""
     record = Record(snapshot_at)
     t = trainer(strategy, devices, root, callbacks=[record, *callbacks], **options)
     if empty_init:
@@ -85,7 +87,7 @@ def fit(
     data = data if data is not None else w.batches()
     per_process = data[0][0].shape[0] // dp
     t.fit(module, w.loader(data, per_process), ckpt_path=ckpt_path)
-    validated = t.validate(module, w.loader(data[:1], per_process))
+    validated = t.validate(module, w.loader(data[:val_batches], per_process))
     s = t.strategy
     out = {
         "params": w.gathered_params(t.model),
@@ -156,9 +158,13 @@ def error_of(function: Any) -> str | None:
 
 
 def compiled_then_predicted(root: str) -> dict[str, Any]:
-    """Zero bubble (2 stages per rank, split backward) with activation checkpointing and ``compile=``
-    (aot_eager): what each rank compiled; a full checkpoint (stages 0 and 2 on rank 0: names out of model
-    order there); then ``Trainer.predict`` on batches of tokens alone (the last stage on rank 1)."""
+    """Zero bubble (2 stages per rank, split backward) with activation checkpointing, the module given as
+    ``torch.compile(module, backend="aot_eager")`` (as Lightning documents it; fit and validate take it): what
+    each rank compiled and the line rank 0 printed; a full checkpoint (stages 0 and 2 on rank 0: names out of
+    model order there); then ``Trainer.predict`` on batches of tokens alone (the last stage on rank 1)."""
+    import contextlib
+    import io
+
     import torch._dynamo
     import torch.distributed as dist
 
@@ -168,9 +174,13 @@ def compiled_then_predicted(root: str) -> dict[str, Any]:
     torch._dynamo.reset()
     start = dynamo_counts()["frames"]
     strategy = PPStrategy(schedule="zero_bubble", activation_checkpointing_policy={w.Block})
-    result = fit(strategy, 2, root, compile={"backend": "aot_eager"})
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = fit(strategy, 2, root, module_fn=lambda: torch.compile(w.make_module(), backend="aot_eager"))
     t = result["trainer"]
     mine = {
+        "printed": printed.getvalue().splitlines(),
+        "holds": type(t.module).__name__,
         "regions": list(t.engine.compiled_regions),
         "by_stage": t.strategy.applied["compiled"],
         "frames": dynamo_counts()["frames"] - start,
@@ -187,10 +197,17 @@ def compiled_then_predicted(root: str) -> dict[str, Any]:
             "optimizer_state": [w.clean(k) for k in optimizer["state"]],
             "optimizer_groups": [[w.clean(k) for k in g["params"]] for g in optimizer["param_groups"]],
         }
-    tokens = torch.cat([x for x, _ in w.batches()[:2]])
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=w.GLOBAL_BATCH)
-    result.update(predictions=t.predict(dataloaders=loader), predict_tokens=tokens)
-    return done(result)
+    return done(predicted(result, 12))
+
+
+def predicted(result: dict[str, Any], count: int, per_process: int = w.GLOBAL_BATCH) -> dict[str, Any]:
+    """``Trainer.predict`` after ``fit``, on ``count`` samples of tokens alone (each data-parallel replica
+    predicts its share; rank 0 puts them back in dataset order). A count that ``per_process`` does not divide
+    ends each share with a shorter batch."""
+    tokens = torch.cat([x for x, _ in w.batches()[:2]])[:count]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=per_process)
+    result.update(predictions=result["trainer"].predict(dataloaders=loader), predict_tokens=tokens)
+    return result
 
 
 class StepOnly(w.TinyLM, sg.Module):
@@ -203,11 +220,18 @@ class StepOnly(w.TinyLM, sg.Module):
         return torch.optim.AdamW(self.parameters(), lr=w.LR)
 
 
-def refused(strategy: Any, root: str, module_fn: Any = w.make_module) -> dict[str, Any]:
+def refused(
+    strategy: Any,
+    root: str,
+    module_fn: Any = w.make_module,
+    devices: int = 2,
+    loader: Any = None,
+    **options: Any,
+) -> dict[str, Any]:
     """What ``fit`` raises, and how far training got (nothing, if refused before the first batch)."""
     record = Record()
-    t = trainer(strategy, 2, root, callbacks=[record])
-    message = error_of(lambda: t.fit(module_fn(), w.loader()))
+    t = trainer(strategy, devices, root, callbacks=[record], **options)
+    message = error_of(lambda: t.fit(module_fn(), loader or w.loader()))
     t.engine.teardown()
     return {"error": message, "batches": len(record.losses)}
 
@@ -252,6 +276,12 @@ def two_process_checks(engine: sg.Engine, root: str) -> dict[str, Any]:
     )
     w.guard(out, "engine_loop", lambda: engine_loop(PPStrategy(schedule="gpipe"), 2))
     w.guard(out, "compiled", lambda: compiled_then_predicted(f"{root}/compiled"))
+    # Epochs of 12 samples in batches of 8: every other step, and in validation, a shorter batch of 4.
+    w.guard(
+        out,
+        "shorter_batches",
+        lambda: done(fit(PPStrategy(), 2, f"{root}/short", data=w.uneven_batches()[:2], val_batches=2)),
+    )
     out["bad"] = {
         "microbatches": refused(PPStrategy(microbatches=3), f"{root}/bad1"),
         "step_only": refused(PPStrategy(), f"{root}/bad2", StepOnly),
@@ -269,7 +299,11 @@ def four_process_checks(engine: sg.Engine, root: str, checkpoints: dict[str, str
         w.guard(
             out, f"pp4/{schedule}", lambda s=schedule: done(fit(PPStrategy(schedule=s), 4, f"{root}/{s}"))
         )
-    w.guard(out, "pp_fsdp", lambda: done(fit(PPFSDPStrategy(pipeline_parallel_size=2), 4, f"{root}/f", dp=2)))
+    w.guard(
+        out,
+        "pp_fsdp",
+        lambda: done(predicted(fit(PPFSDPStrategy(pipeline_parallel_size=2), 4, f"{root}/f", dp=2), 10, 4)),
+    )
     w.guard(
         out,
         "pp_fsdp_meta_resharding",
@@ -288,7 +322,7 @@ def four_process_checks(engine: sg.Engine, root: str, checkpoints: dict[str, str
         ),
     )
     tp = PPFSDPTPStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, tp_plan=w.TP_PLAN)
-    w.guard(out, "pp_fsdp_tp", lambda: done(fit(tp, 4, f"{root}/t")))
+    w.guard(out, "pp_fsdp_tp", lambda: done(predicted(fit(tp, 4, f"{root}/t"), 12)))
     for name, path in checkpoints.items():
         w.guard(out, f"pp4_loads_{name}", lambda p=path: loaded(PPStrategy(), 4, p))
     w.guard(
@@ -300,6 +334,14 @@ def four_process_checks(engine: sg.Engine, root: str, checkpoints: dict[str, str
         lambda: sg.Engine(
             strategy=PPFSDPStrategy(pipeline_parallel_size=3), accelerator="cpu", devices=4
         ).setup_environment()
+    )
+    # Each replica's epoch: 6 samples, a batch of 4 then one of 2, accumulated into one step.
+    out["bad_accumulation"] = refused(
+        PPFSDPStrategy(),
+        f"{root}/bad",
+        devices=4,
+        loader=w.loader(w.uneven_batches()[:2], 4),
+        accumulate_grad_batches=2,
     )
     return out if engine.rank == 0 else {}
 

@@ -122,6 +122,13 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t, (t * 3 + 1) % VOCAB) for t in tokens]
 
 
+def uneven_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Epochs of 12 samples in batches of 8, as a loader without drop_last gives them: 8, then a shorter 4."""
+    first, second = batches()[:2]
+    tokens, targets = torch.cat([first[0], second[0]])[:12], torch.cat([first[1], second[1]])[:12]
+    return [(tokens[:8], targets[:8]), (tokens[8:], targets[8:])] * (STEPS // 2)
+
+
 def loader(data: list | None = None, per_process: int = GLOBAL_BATCH) -> torch.utils.data.DataLoader:
     """The steps' batches as a loader (no shuffling: with a sampler over dp replicas, step s still takes the
     global batch s, which the reference trains on)."""

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from stratagem import get_registry
 from stratagem.errors import ConfigurationError
-from stratagem.registry._manager import get_registry
 from stratagem_pp import (
     SCHEDULES,
     PPConfig,

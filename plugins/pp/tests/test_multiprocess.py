@@ -22,7 +22,9 @@ import stratagem as sg
 from stratagem.errors import WorkerFailedError
 
 TOL = 1e-5
-LLAMA_TOL = 1e-4
+# The Llama's attention and RMSNorm in float32 sum in another order per micro-batch than the one-process
+# reference: 1.3e-4 was measured on the CI machine (1e-4 here); an untrained model is 0.87 away.
+LLAMA_TOL = 5e-4
 HERE = Path(__file__).parent
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -121,6 +123,14 @@ def test_compiled_stages_match_one_eager_process(run2: dict, ref: dict) -> None:
         assert seen["by_stage"] == {first: blocks[first], second: blocks[second]}
         assert seen["regions"] == blocks[first] + blocks[second]
         assert seen["frames"] >= 1
+        # Given as torch.compile(module, backend="aot_eager"): the Trainer holds the module, compiled with that
+        # backend in the pipeline's place, and rank 0 said so in one line.
+        assert seen["holds"] == "LM"
+        notes = [line for line in seen["printed"] if "came compiled by torch.compile" in line]
+        if rank == 0:
+            assert len(notes) == 1 and notes[0].endswith("(backend=aot_eager)."), seen["printed"]
+        else:
+            assert notes == [], seen["printed"]
     # Parameter names stay the plain model's (no _orig_mod, no checkpoint wrapper in them).
     assert sorted(result["params"]) == sorted(ref["params"])
 
@@ -134,10 +144,13 @@ def test_a_full_checkpoint_lists_names_in_the_models_order(run2: dict) -> None:
     assert order["optimizer_state"] == names and order["optimizer_groups"] == [names]
 
 
-def test_predict_returns_the_last_stages_outputs_on_rank_zero(run2: dict, ref: dict) -> None:
-    result = _ok(run2, "compiled")
+def _predicts_as_one_process(result: dict[str, Any], batch: int) -> None:
+    """Rank 0's predictions are the trained model's forward in one process, batched as one process batches them;
+    an untrained model's are far off."""
     predictions = result["predictions"]
-    assert [p.shape for p in predictions] == [(w.GLOBAL_BATCH, w.SEQUENCE, w.VOCAB)] * 2
+    count = len(result["predict_tokens"])
+    sizes = [batch] * (count // batch) + ([count % batch] if count % batch else [])
+    assert [p.shape for p in predictions] == [(size, w.SEQUENCE, w.VOCAB) for size in sizes]
     trained = w.make_model()
     trained.load_state_dict(result["params"])
     with torch.no_grad():
@@ -146,6 +159,32 @@ def test_predict_returns_the_last_stages_outputs_on_rank_zero(run2: dict, ref: d
     got = torch.cat(predictions)
     assert float((got - expected).abs().max()) < 1e-8 * float(expected.abs().max())
     assert float((untrained - expected).abs().max()) > 1e-2 * float(expected.abs().max())
+
+
+def test_predict_returns_the_last_stages_outputs_on_rank_zero(run2: dict) -> None:
+    # 12 samples in batches of 8: the second batch, of 4, has micro-batches of another shape than the first's.
+    _predicts_as_one_process(_ok(run2, "compiled"), w.GLOBAL_BATCH)
+
+
+@pytest.mark.parametrize("key", ["pp_fsdp", "pp_fsdp_tp"])
+def test_predict_under_sharded_stages_returns_every_replicas_share_in_order(run4: dict, key: str) -> None:
+    # pp_fsdp: 10 samples over two replicas, each predicting every other sample in batches of 4, then a batch
+    # of 1 that the 2 micro-batches do not divide; pp_fsdp_tp: 12 samples in batches of 8 on one replica whose
+    # last stage's head is split over tp and gathered.
+    _predicts_as_one_process(_ok(run4, key), 4 if key == "pp_fsdp" else w.GLOBAL_BATCH)
+
+
+def test_a_shorter_last_batch_trains_and_validates_as_one_process(run2: dict) -> None:
+    # Every other step a batch of 4 after one of 8: the stages learn the new micro-batch shape each time.
+    data = w.uneven_batches()
+    result, expected = _ok(run2, "shorter_batches"), w.reference(data=data)
+    assert w.rel_diff(result["params"], expected["params"]) < TOL
+    assert result["losses"] == pytest.approx(expected["losses"], rel=TOL)
+    trained = w.make_model()
+    trained.load_state_dict(expected["params"])
+    with torch.no_grad():
+        val_loss = sum(float(w.loss_fn(trained(x), y)) for x, y in data[:2]) / 2
+    assert result["eval_loss"] == pytest.approx(val_loss, rel=TOL)
 
 
 @pytest.mark.parametrize("key", ["pp4/1f1b", "pp4/interleaved_1f1b"])
@@ -256,7 +295,7 @@ def test_a_sharded_checkpoint_at_pp2_loads_under_fsdp_and_pp4(run2: dict, run4: 
 def test_a_sharded_checkpoint_at_pp2_loads_under_single_device_after_consolidation(
     run2: dict, sharded: Path, tmp_path: Path
 ) -> None:
-    from stratagem.checkpoint._offline import consolidate
+    from stratagem.checkpoint import consolidate
 
     consolidate(sharded, tmp_path / "whole.ckpt")
     engine = sg.Engine("single_device", accelerator="cpu")
@@ -286,6 +325,10 @@ def test_bad_input_is_refused_before_training(run2: dict, run4: dict) -> None:
     message = bad["stages"]["error"]
     assert "16 pipeline stages" in message and "8 blocks in 'blocks'" in message
     assert "pipeline_parallel_size=3 does not divide the world size 4" in run4["bad_size"]
+    accumulation = run4["bad_accumulation"]
+    assert accumulation["batches"] == 1, accumulation  # the batch of 4 trained, the one of 2 refused
+    assert "training batch of shapes [(2, 6)] came after batches of shapes [(4, 6)]" in accumulation["error"]
+    assert "drop_last=True" in accumulation["error"]
 
 
 def test_a_module_without_its_loss_is_refused_before_launching(tmp_path: Path) -> None:

@@ -1,6 +1,10 @@
-"""A real one-node SLURM cluster on this machine, for the tests: Debian's ``munged``, ``slurmctld`` and ``slurmd``
-with a configuration of its own (written here), its own ports, its state and spool folders under a temporary
+"""A real SLURM cluster on this machine, for the tests: Debian's ``munged``, ``slurmctld`` and ``slurmd`` with a
+configuration of its own (written here), its own ports, its state and spool folders under a temporary
 directory, started as processes of this test session and stopped by their pids.
+
+One node (this machine, on the loopback), or one node per host of a :class:`stratagem.contract.hosts.Hosts`:
+``slurmctld`` on ``h0``, a ``slurmd`` on each host under the host's name and address, and one ``munged`` whose
+socket (a file) every host reaches; client commands then run on ``h0``, the login node.
 
 Clients reach it through ``SLURM_CONF`` (and munge through the socket that configuration names); nothing under
 ``/etc`` is read or changed, so another cluster on the same machine is left alone.
@@ -16,6 +20,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 #: What a developer installs (as root) to run the SLURM tests.
 INSTALL = "apt-get install -y slurmctld slurmd slurm-client munge"
@@ -48,13 +53,16 @@ def _free_port() -> int:
 
 
 class Cluster:
-    """One controller and one compute node (this machine, ``cpus`` CPUs) in partition ``debug``."""
+    """One controller and compute nodes of ``cpus`` CPUs in partition ``debug``: this machine alone, or each
+    host of ``hosts`` (a :class:`stratagem.contract.hosts.Hosts`, the controller on the first)."""
 
-    def __init__(self, root: Path, cpus: int) -> None:
+    def __init__(self, root: Path, cpus: int, hosts: Any = None) -> None:
         self.root = root
         self.cpus = cpus
+        self.hosts = list(hosts) if hosts is not None else None
         # Named for the loopback, where slurmd is told it runs (-N): a container's host name may not resolve.
-        self.node = "localhost"
+        self.node = "localhost" if hosts is None else self.hosts[0].name
+        self.nodes = {"localhost": "127.0.0.1"} if hosts is None else {h.name: h.address for h in self.hosts}
         self.conf = root / "slurm.conf"
         self.env = {"SLURM_CONF": str(self.conf)}
         self._processes: dict[str, subprocess.Popen] = {}
@@ -67,7 +75,7 @@ class Cluster:
 
     # configuration -------------------------------------------------------------------------------------
     def _write_configuration(self) -> None:
-        for sub in ("state", "spool", "log"):
+        for sub in ("state", "log", *(f"spool/{n}" for n in self.nodes)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         key = self.root / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -76,7 +84,7 @@ class Cluster:
         r = self.root
         lines = [
             "ClusterName=stratagemtest",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
+            f"SlurmctldHost={self.node}({self.nodes[self.node]})",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "SlurmUser=root",
@@ -86,11 +94,12 @@ class Cluster:
             # A requeued job may start again cred_expire + 1 s after its requeue (default 120 s).
             f"AuthInfo=socket={self.socket},cred_expire=5",
             f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
+            # Per node (%n): a slurmd kills the one its pid file names, and each keeps its own job state.
+            f"SlurmdSpoolDir={r / 'spool' / '%n'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd.pid'}",
+            f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+            f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
             f"PlugStackConfig={r / 'plugstack.conf'}",
             # No cgroups: processes are tracked through their parents, tasks are not bound to CPUs.
             "ProctrackType=proctrack/linuxproc",
@@ -107,17 +116,25 @@ class Cluster:
             "InactiveLimit=0",
             # Pending jobs (a requeued one) are looked at every second, not every 30 to 60.
             "SchedulerParameters=sched_interval=1,bf_interval=1",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
+            *(
+                ["SlurmdTimeout=10"] if self.hosts else []
+            ),  # a node that stops answering: DOWN in 10 s, not 300
+            *(f"NodeName={n} NodeAddr={a} CPUs={self.cpus} State=UNKNOWN" for n, a in self.nodes.items()),
             f"PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         ]
         self.conf.write_text("\n".join(lines) + "\n")
 
     # running -------------------------------------------------------------------------------------------
-    def _start(self, name: str, command: list[str]) -> None:
+    def _host(self, node: str) -> Any:
+        return None if self.hosts is None else next(h for h in self.hosts if h.name == node)
+
+    def _start(self, name: str, command: list[str], host: Any = None) -> None:
         log = open(self.root / "log" / f"{name}.out", "wb")  # noqa: SIM115 (held for the daemon's life)
-        self._processes[name] = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
-        )
+        env, kwargs = {**os.environ, **self.env}, {"stdout": log, "stderr": subprocess.STDOUT}
+        if host is None:
+            self._processes[name] = subprocess.Popen(command, env=env, **kwargs)
+        else:  # in the host's namespaces; the hosts' teardown ends it if this cluster's does not
+            self._processes[name] = host.popen(command, env=self.env, daemon=True, **kwargs)
         log.close()
 
     def _alive_or_fail(self) -> None:
@@ -151,19 +168,29 @@ class Cluster:
             ],
         )
         self._wait("munged", lambda: self.socket.exists())
-        self._start("slurmctld", [self._commands["slurmctld"], "-D", "-f", str(self.conf)])
+        controller = self._host(self.node)
+        self._start("slurmctld", [self._commands["slurmctld"], "-D", "-f", str(self.conf)], controller)
         self._wait("slurmctld", lambda: self.run("scontrol", "ping").returncode == 0)
-        self._start("slurmd", [self._commands["slurmd"], "-D", "-f", str(self.conf), "-N", self.node])
-        self._wait("the node", lambda: self.run("sinfo", "-h", "-o", "%t").stdout.strip() == "idle")
+        for node in self.nodes:
+            slurmd = [self._commands["slurmd"], "-D", "-f", str(self.conf), "-N", node]
+            self._start("slurmd" if self.hosts is None else f"slurmd-{node}", slurmd, self._host(node))
+        self._wait("the nodes", lambda: self.states() == {n: "idle" for n in self.nodes})
+        for host in self.hosts or ():  # the daemons' helpers (slurmctld's slurmscriptd) are daemons too
+            for pid in host.pids():
+                host.add_daemon(pid)
+
+    def states(self) -> dict[str, str]:
+        """``{node: state}`` as sinfo says (``idle``, ``alloc``, ``down*``, ...)."""
+        listed = self.run("sinfo", "-h", "-N", "-o", "%N %t").stdout
+        return dict(line.split() for line in listed.splitlines() if len(line.split()) == 2)
 
     def run(self, *command: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
-        """A client command against this cluster."""
+        """A client command against this cluster (on the login node ``h0`` when there are hosts)."""
+        argv = [self._commands.get(command[0], command[0]), *command[1:]]
+        if self.hosts is not None:
+            return self.hosts[0].run(argv, timeout=timeout, env=self.env)
         return subprocess.run(
-            [self._commands.get(command[0], command[0]), *command[1:]],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, **self.env},
+            argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **self.env}
         )
 
     def jobs(self) -> list[str]:
@@ -217,9 +244,9 @@ class Cluster:
         if "slurmctld" in self._processes and self._processes["slurmctld"].poll() is None:
             self.run("scancel", "--full", f"--user={os.getuid()}")
             self.wait_for_empty_queue(timeout=15.0)
-        for name in reversed(DAEMONS):
-            process = self._processes.pop(name, None)
-            if process is None or process.poll() is not None:
+        for name in sorted(self._processes, key=lambda n: -DAEMONS.index(n.split("-")[0])):
+            process = self._processes.pop(name)
+            if process.poll() is not None:
                 continue
             process.send_signal(signal.SIGTERM)
             try:

@@ -13,7 +13,6 @@ import pytest
 import stratagem as sg
 from stratagem.errors import ConfigurationError
 from stratagem.launchers import LaunchJob
-from stratagem.registry._manager import LauncherHooks
 from stratagem_slurm import SlurmLauncher
 from stratagem_slurm._task import tasks_on_node
 
@@ -27,7 +26,7 @@ def _job(devices: int = 2, nnodes: int | str = 1) -> LaunchJob:
 
 
 def _launch(launcher: SlurmLauncher, job: LaunchJob) -> None:
-    LauncherHooks(launcher).launch_workers(job)
+    launcher.launch_workers(job)
 
 
 def _refused(slurm, folder: Path, launcher: SlurmLauncher, job: LaunchJob, message: str) -> None:

@@ -127,6 +127,15 @@ def test_options_are_checked_when_the_strategy_is_built() -> None:
     assert FSDPTPStrategy(reshard_after_forward=False).checkpoint_format == "sharded"
 
 
+def test_tp_size_is_another_name_for_tensor_parallel_size() -> None:
+    assert FSDPTPStrategy(tp_size=2).config == FSDPTPStrategy(tensor_parallel_size=2).config
+    assert FSDPTPStrategy(tp_size=2, tensor_parallel_size=2).config.tensor_parallel_size == 2
+    with pytest.raises(ConfigurationError, match="tp_size=2 and tensor_parallel_size=4 disagree"):
+        FSDPTPStrategy(tp_size=2, tensor_parallel_size=4)
+    with pytest.raises(ConfigurationError, match="tensor_parallel_size=0"):
+        TPStrategy(tp_size=0)
+
+
 def test_fsdp_tp_serves_two_processes_as_a_1_by_2_mesh() -> None:
     """As hsdp on one node: 2 processes are a valid (dp, tp) = (1, 2) mesh, so `stratagem compare
     --strategies ...,fsdp_tp --devices 2` and `stratagem demo --strategy fsdp_tp --devices 2` run."""

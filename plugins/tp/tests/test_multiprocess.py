@@ -119,6 +119,17 @@ def test_demo_under_fsdp_tp_on_four_processes_splits_its_model(run4: dict, workd
     assert report["losses"][-1] < report["losses"][0] - 0.3
 
 
+def test_demo_takes_a_strategy_name_with_options(run4: dict) -> None:
+    """`stratagem demo --strategy "fsdp_tp[tp_size=2]" --devices 4`: the options reach the strategy, which
+    makes a 2 x 2 mesh; FSDP over dp and the plan over tp leave each rank about a quarter."""
+    report = _ok(run4, "demo_2x2")
+    assert report["mesh"] == {"shape": (2, 2), "names": ("dp", "tp")}
+    for rank in report["ranks"]:
+        for part in ("parameters", "gradients", "optimizer"):
+            assert 0.24 <= rank[part] / report["replica"][part] < 0.26, (part, rank)
+    assert report["losses"][-1] < report["losses"][0] - 0.3
+
+
 def test_fsdp_tp_units_and_activation_checkpointing(run4: dict) -> None:
     result = _ok(run4, "meta_options")
     assert result["units"] == ["<root>", "blocks.0", "blocks.1"]
@@ -250,6 +261,25 @@ def test_consolidated_checkpoint_loads_under_single_device_bit_equal(run4: dict,
             assert torch.equal(loaded[name][k], v), (name, k)
     assert rest["step"] == w.STEPS
     engine.teardown()
+
+
+class TrainedLM(w.TinyLM, sg.Module):
+    """The tests' model as a Module, for ``load_from_checkpoint``."""
+
+
+def test_load_from_checkpoint_of_the_sharded_2x2_checkpoint_in_one_process(run4: dict, workdir: Path) -> None:
+    # Offline, no process group: the DTensors sharded over dp and tp read back whole.
+    result = _ok(run4, "string")
+    module = TrainedLM.load_from_checkpoint(workdir / "fsdp_tp_2x2", heads=w.HEADS)
+    assert w.max_diff({n: p.detach() for n, p in module.named_parameters()}, result["params"]) == 0.0
+    tokens = w.dataset()[: w.GLOBAL_BATCH][0]
+    with torch.no_grad():
+        logits, untrained = module(tokens), w.make_model()(tokens)
+    # Against what the 2 x 2 model computed: float32 sums split over tp add up in another order.
+    probe = result["probe_logits"]
+    scale = float(probe.abs().max())
+    assert float((logits - probe).abs().max()) < 1e-5 * scale
+    assert float((untrained - probe).abs().max()) > 1e-1 * scale
 
 
 # -------------------------------------------------------------------------------------------------

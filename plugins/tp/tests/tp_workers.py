@@ -278,6 +278,13 @@ def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
         run_engine.save(path, {"model": model, "optimizer": opt, "step": STEPS})
         run_engine.save(path + ".pt", {"model": model, "optimizer": opt, "step": STEPS}, format="full")
         result["saved_optimizer"] = full_optimizer(model, opt)
+        # What the trained 2 x 2 model predicts (every rank the same tokens): Module.load_from_checkpoint of
+        # the sharded checkpoint must give it back in one process.
+        with torch.no_grad():
+            logits = model(dataset()[:GLOBAL_BATCH][0])
+        result["probe_logits"] = (
+            (logits.full_tensor() if isinstance(logits, DTensor) else logits).detach().clone()
+        )
         run_engine.teardown()
         return result
 
@@ -330,6 +337,18 @@ def four_process_checks(engine: sg.Engine, workdir: str) -> dict[str, Any]:
         "demo",
         lambda: demo(
             strategy="fsdp_tp", devices=4, steps=DEMO_STEPS, root_dir=workdir + "/demo", progress_bar=False
+        ),
+    )
+    # `stratagem demo --strategy "fsdp_tp[tp_size=2]" --devices 4`: the name with options, a 2 x 2 mesh.
+    _guard(
+        out,
+        "demo_2x2",
+        lambda: demo(
+            strategy="fsdp_tp[tp_size=2]",
+            devices=4,
+            steps=DEMO_STEPS,
+            root_dir=workdir + "/demo-2x2",
+            progress_bar=False,
         ),
     )
     out["bad_size"] = error_of(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stratagem.callbacks._monitor import better, check_mode, monitored_value
+from stratagem.callbacks._monitored_metric import better, check_mode, monitored_value
 from stratagem.errors import ConfigurationError
 from stratagem.hookspecs import hookimpl
 

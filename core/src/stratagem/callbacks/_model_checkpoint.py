@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any
 
-from stratagem.callbacks._monitor import check_mode, monitored_value
+from stratagem.callbacks._monitored_metric import check_mode, monitored_value
 from stratagem.checkpoint import _store
 from stratagem.errors import ConfigurationError
 from stratagem.hookspecs import hookimpl

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from stratagem.checkpoint import _atomic, _dcp, _store
-from stratagem.checkpoint._layout import (
-    Parts,
-)
 from stratagem.checkpoint._publish import _publish_sharded
 from stratagem.checkpoint._ranks import _agree, _describe, _distributed, _single_process_quiet
+from stratagem.checkpoint._state_layout import (
+    Parts,
+)
 from stratagem.errors import CheckpointError
 
 

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from stratagem.checkpoint import _atomic, _dcp, _store
-from stratagem.checkpoint._layout import (
+from stratagem.checkpoint._ranks import _distributed, _single_process_quiet
+from stratagem.checkpoint._state_layout import (
     STATE_FILE,
     Parts,
     check_metadata,
@@ -24,7 +25,6 @@ from stratagem.checkpoint._layout import (
     sharded_data,
     unpack_per_rank,
 )
-from stratagem.checkpoint._ranks import _distributed, _single_process_quiet
 from stratagem.errors import CheckpointError
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from stratagem.checkpoint import _atomic, _store
-from stratagem.checkpoint._layout import (
+from stratagem.checkpoint._state_layout import (
     METADATA_FILE,
     STATE_FILE,
 )

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint._layout import (
+from stratagem.checkpoint._state_layout import (
     Parts,
     PerRank,
     check_plain,

@@ -22,12 +22,6 @@ from stratagem.checkpoint._async import (
     _step_storages,
     _storage,
 )
-from stratagem.checkpoint._layout import (
-    Parts,
-    check_plain,
-    classify,
-    metadata,
-)
 from stratagem.checkpoint._publish import _prepare_target, _publish_sharded, write_full
 from stratagem.checkpoint._ranks import (
     _agree,
@@ -37,6 +31,12 @@ from stratagem.checkpoint._ranks import (
     _gather_per_rank,
     _local_state,
     _single_process_quiet,
+)
+from stratagem.checkpoint._state_layout import (
+    Parts,
+    check_plain,
+    classify,
+    metadata,
 )
 from stratagem.errors import CheckpointError
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from stratagem.checkpoint import _atomic, _dcp, _store
-from stratagem.checkpoint._layout import detect_format, read_json_metadata, sharded_data
 from stratagem.checkpoint._load import read_full, read_sharded_state
+from stratagem.checkpoint._state_layout import detect_format, read_json_metadata, sharded_data
 from stratagem.errors import CheckpointError
 
 

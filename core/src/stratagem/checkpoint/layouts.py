@@ -17,7 +17,13 @@ from stratagem.checkpoint._atomic import (
     remove_stale_temporaries,
     temporary_sibling,
 )
-from stratagem.checkpoint._layout import (
+from stratagem.checkpoint._load import _restore_plain as restore_plain
+from stratagem.checkpoint._load import read_sharded_state
+from stratagem.checkpoint._ranks import _agree as agree
+from stratagem.checkpoint._ranks import _attempt as attempt
+from stratagem.checkpoint._ranks import _gather_per_rank as gather_per_rank
+from stratagem.checkpoint._ranks import _local_state as local_state
+from stratagem.checkpoint._state_layout import (
     FORMAT_VERSION,
     METADATA_FILE,
     STATE_FILE,
@@ -26,13 +32,7 @@ from stratagem.checkpoint._layout import (
     owner_of,
     read_json_metadata,
 )
-from stratagem.checkpoint._layout import classify as split_state
-from stratagem.checkpoint._load import _restore_plain as restore_plain
-from stratagem.checkpoint._load import read_sharded_state
-from stratagem.checkpoint._ranks import _agree as agree
-from stratagem.checkpoint._ranks import _attempt as attempt
-from stratagem.checkpoint._ranks import _gather_per_rank as gather_per_rank
-from stratagem.checkpoint._ranks import _local_state as local_state
+from stratagem.checkpoint._state_layout import classify as split_state
 
 __all__ = [
     "FORMAT_VERSION",

@@ -1,4 +1,5 @@
-"""``stratagem checkpoint inspect PATH`` and ``stratagem checkpoint consolidate DIR FILE``."""
+"""``stratagem checkpoint inspect PATH``, ``stratagem checkpoint consolidate DIR FILE`` and ``stratagem checkpoint
+export CKPT OUT`` (:mod:`stratagem.cli.checkpoint_export`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from stratagem import cli
 
 
 def _build(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("checkpoint", help="inspect a checkpoint, or turn a sharded one into a full one")
+    parser = sub.add_parser(
+        "checkpoint", help="inspect a checkpoint, turn a sharded one into a full one, or export it"
+    )
     actions = parser.add_subparsers(dest="checkpoint_command", required=True)
     p = actions.add_parser("inspect", help="print a checkpoint's format, strategy, step and tensors")
     p.add_argument("path", help="a full checkpoint file or a sharded checkpoint directory")
@@ -26,6 +29,9 @@ def _build(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="where file-mapped tensors live during the write (default: beside the output)",
     )
+    from stratagem.cli import checkpoint_export
+
+    checkpoint_export.add_parser(actions)
 
 
 cli._PARSER_EXTENSIONS.append(_build)
@@ -109,6 +115,10 @@ def _checkpoint(args: argparse.Namespace) -> int:
         else:
             _print_report(report, args.limit)
         return 0
+    if args.checkpoint_command == "export":
+        from stratagem.cli import checkpoint_export
+
+        return checkpoint_export.run(args)
     plugin_consolidate = _plugin_consolidation(args.source)
     if plugin_consolidate is not None:
         output = plugin_consolidate(args.source, args.output)

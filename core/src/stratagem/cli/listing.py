@@ -131,6 +131,11 @@ def _strategies(args: argparse.Namespace) -> int:
             f"{'':<{width}}  {_origin(row)}; accelerators {','.join(caps['accelerators'])}; "
             f"precisions {','.join(caps['precisions'])}; checkpoints {','.join(caps['checkpoint_formats'])}; "
             f"world size {sizes}"
+            + (
+                ""
+                if caps.get("auto_priority") is None
+                else f"; strategy='auto' priority {caps['auto_priority']}"
+            )
         )
         if row["missing"]:
             quoted = " ".join(f"'{m}'" for m in row["missing"])

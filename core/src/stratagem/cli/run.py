@@ -17,7 +17,10 @@ def _add_parsers(sub: argparse._SubParsersAction) -> None:
         "nodes, run the same command on each with its --node-rank and the same --rdzv-endpoint.",
     )
     p.add_argument(
-        "--strategy", default=None, help="strategy for Engine/Trainer(strategy='auto') in the script"
+        "--strategy",
+        default=None,
+        help="strategy for Engine/Trainer(strategy='auto') in the script: a name, with options in brackets if "
+        "any (fsdp_tp[tensor_parallel_size=2])",
     )
     p.add_argument("--devices", type=int, default=1, help="workers per node (default 1)")
     p.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
@@ -95,12 +98,12 @@ def _check_positive(name: str, value: int) -> None:
 def _run(args: argparse.Namespace) -> int:
     from stratagem.engine import STRATEGY_ENV
     from stratagem.errors import ConfigurationError
-    from stratagem.launchers import _spawn as launcher
+    from stratagem.launchers import _worker_start
     from stratagem.launchers.cluster import resolve_accelerator
 
     _check_positive("--devices", args.devices)
-    _, max_nodes = launcher.parse_nnodes(args.nnodes)
-    launcher.check_max_restarts(args.max_restarts)
+    _, max_nodes = _worker_start.parse_nnodes(args.nnodes)
+    _worker_start.check_max_restarts(args.max_restarts)
     if args.script == "-m":
         if not args.args:
             raise ConfigurationError("stratagem run -m needs a module name.")
@@ -116,9 +119,12 @@ def _run(args: argparse.Namespace) -> int:
 
         env[COMPILE_ENV] = compile
     if args.strategy:
+        from stratagem.registry._labels import parse_label
         from stratagem.registry._manager import get_registry
 
-        get_registry().get(args.strategy)  # an unknown name fails here, naming the installed ones
+        # An unknown name fails here, naming the installed ones; the workers' strategy checks the options.
+        name = parse_label(args.strategy, "--strategy")[0] if "[" in args.strategy else args.strategy
+        get_registry().get(name)
         env[STRATEGY_ENV] = args.strategy
     from stratagem.engine import DEFAULT_LAUNCHER, LAUNCHER_ENV
     from stratagem.launchers import LaunchJob
@@ -139,7 +145,7 @@ def _run(args: argparse.Namespace) -> int:
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_configs=_rdzv_conf(args.rdzv_conf),
         accelerator=accelerator,
-        env=launcher.worker_environment(accelerator, env, args.devices),
+        env=_worker_start.worker_environment(accelerator, env, args.devices),
         max_restarts=args.max_restarts,
     )
     LauncherHooks(chosen).launch_workers(job)

@@ -31,7 +31,7 @@ class EventPluginRun:
 def run(kind: str, name: str, directory: Path) -> EventPluginRun:
     from stratagem.contract._callback_workloads import run_section
     from stratagem.errors import WorkerFailedError
-    from stratagem.launchers import _spawn as launcher
+    from stratagem.launchers import _worker_start
     from stratagem.registry._manager import get_registry
 
     info = get_registry().get_callback(name, kind)
@@ -43,7 +43,7 @@ def run(kind: str, name: str, directory: Path) -> EventPluginRun:
     spec = {"kind": kind, "name": name, "world_size": WORLD, "timeout": TIMEOUT_S, "workdir": str(directory)}
     start = time.perf_counter()
     try:
-        found.results = launcher.launch_function(
+        found.results = _worker_start.launch_function(
             run_section, (spec,), nproc_per_node=WORLD, accelerator="cpu", env={"OMP_NUM_THREADS": "1"}
         )
     except WorkerFailedError as error:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from stratagem.contract import _model as m
+from stratagem.contract import _suite_model as m
 
 STEPS = 6
 EVERY = 3

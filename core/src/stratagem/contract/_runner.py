@@ -153,14 +153,14 @@ def _launch(runs: list[ContractRun], phase: int, specs: list[dict[str, Any]]) ->
     from stratagem.contract._processes import child_processes, port_in_use
     from stratagem.contract._workers import run_phases
     from stratagem.errors import WorkerFailedError
-    from stratagem.launchers import _spawn as launcher
+    from stratagem.launchers import _worker_start
 
     before = child_processes(os.getpid())
     start = time.perf_counter()
     results: dict[int, dict[str, Any]] = {}
     error = None
     try:
-        results = launcher.launch_function(
+        results = _worker_start.launch_function(
             run_phases,
             (specs,),
             nproc_per_node=specs[0]["world_size"],
@@ -191,7 +191,7 @@ def write_single_device_checkpoint(path: Path) -> dict[str, Any]:
     """One training step under ``single_device`` in this process, saved as a full checkpoint."""
     import torch
 
-    from stratagem.contract import _model as m
+    from stratagem.contract import _suite_model as m
     from stratagem.engine import Engine
 
     engine = Engine("single_device", accelerator="cpu")
@@ -219,7 +219,7 @@ def run_together(subjects: list[Subject], workdir: Path) -> dict[str, ContractRu
     the launch for all of them; a section that raises fails that subject's checks only."""
     import re
 
-    from stratagem.contract import _model as m
+    from stratagem.contract import _suite_model as m
 
     sizes = {s.world_size for s in subjects}
     if len(sizes) != 1:

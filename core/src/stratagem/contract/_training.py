@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from stratagem.contract import _model as m
+from stratagem.contract import _suite_model as m
 
 #: The live training objects, kept from one section of a phase to the next.
 _live: dict[str, Any] = {}
 
 
 def _clean_name(name: str) -> str:
-    from stratagem.engine._optimizer import _clean_name as clean
+    from stratagem.engine._strategy_optimizer import _clean_name as clean
 
     return clean(name)
 
@@ -128,7 +128,7 @@ def checkpoint_path(workdir: str, fmt: str) -> str:
 def held_after_step(engine: Any) -> dict[str, int]:
     """What this rank holds after one optimizer step of a fresh model (one micro-batch, before its gradients are
     cleared), as the strategy counts it: the plan's check compares the plan with this."""
-    from stratagem.engine._optimizer import _unwrap
+    from stratagem.engine._strategy_optimizer import _unwrap
 
     model, optimizer = build(engine, m.MODEL_SEED)
     tokens, targets = batches(engine)[0]

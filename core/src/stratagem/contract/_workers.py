@@ -5,7 +5,8 @@ Two launches per strategy, each a real multi-process run started by torch's elas
 - phase one: collectives; training from step 0 (``STEPS_BEFORE_SAVE`` steps); a checkpoint in every declared
   format; the remaining steps (the straight run); the same training through the Trainer; teardown;
 - phase two, in new processes: load each checkpoint into a freshly built model and resume; load a full
-  checkpoint written by ``single_device``; teardown.
+  checkpoint written by ``single_device``; load its weights as Hugging Face safetensors and export them back
+  (``_hf_weights``); teardown.
 
 Each section records an error instead of raising, so one broken operation fails its own checks only. The
 strategy is observed as a user sees it, through the module's parameters and the checkpoints its own save hook
@@ -24,7 +25,8 @@ from typing import Any
 
 import torch
 
-from stratagem.contract import _model as m
+from stratagem.contract import _suite_model as m
+from stratagem.contract._hf_weights import hf_weights
 from stratagem.contract._training import (
     _clean_name,
     _clean_optimizer,
@@ -320,6 +322,7 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
             for fmt in spec["formats"]:
                 _section(result, f"resume_{fmt}", lambda fmt=fmt: resume(engine, spec, fmt))
             _section(result, "single_device", lambda: load_single_device(engine, spec))
+            _section(result, "hf_weights", lambda: hf_weights(engine, spec))
     _section(result, "teardown", lambda: teardown(engine))
     result["calls"] = recorder.snapshot()
     return result

@@ -5,7 +5,10 @@ It imports nothing heavy: a project's own pytest run pays only for this module. 
 ``stratagem.contract`` and run with ``pytest --pyargs stratagem.contract --stratagem-strategy NAME`` (a
 strategy), ``--stratagem-launcher NAME`` (a launcher: ``stratagem.contract.test_launcher``), or
 ``--stratagem-callback NAME`` / ``--stratagem-logger NAME`` (``stratagem.contract.test_callback``).
-``--stratagem-report FILE`` writes the run's certificate (:mod:`stratagem.contract._report`).
+``--stratagem-report FILE`` writes the run's certificate (:mod:`stratagem.contract._certificate_writer`).
+
+Its fixtures ``make_hosts`` and ``stratagem_hosts`` make several hosts on this machine
+(:mod:`stratagem.contract.hosts`) for any project's tests of what runs across machines.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ def pytest_configure(config: Any) -> None:
     # The suite runs in other projects too, whose settings may be --strict-markers without ours.
     config.addinivalue_line("markers", "multiprocess: starts real worker processes over gloo")
     config.addinivalue_line("markers", "timeout(seconds): fail a test that runs longer (pytest-timeout)")
+    config.addinivalue_line(
+        "markers", "stratagem_hosts(count=2, local=True): the hosts that the stratagem_hosts fixture gives"
+    )
     # Checked now, so that a wrong name is one clear usage error rather than an error per test module.
     config.stash[_NAMES] = selected_strategies(config)
     config.stash[_LAUNCHERS] = selected_launchers(config)
@@ -80,7 +86,7 @@ def pytest_configure(config: Any) -> None:
     }
     report = config.getoption(REPORT_OPTION, None)
     if report:
-        from stratagem.contract._report import ReportWriter
+        from stratagem.contract._certificate_writer import ReportWriter
 
         config.pluginmanager.register(ReportWriter(report), "stratagem-contract-report")
 
@@ -223,3 +229,47 @@ def event_plugin_run(stratagem_event_plugin: str, tmp_path_factory: Any) -> Any:
 
     kind, _, name = stratagem_event_plugin.partition(":")
     return run(kind, name, tmp_path_factory.mktemp(f"{kind}-{name}"))
+
+
+@pytest.fixture(scope="module")
+def make_hosts(tmp_path_factory: Any) -> Any:
+    """``make_hosts(count=2, local=True)``: that many hosts on this machine (:class:`stratagem.contract.hosts.Hosts`),
+    made once per module and count, and torn down when the module's tests end, whether they passed, failed or
+    timed out. A teardown that leaves a namespace or a process behind is an error. Skips, saying why, where
+    namespaces cannot be made (not root, not Linux, ``ip`` missing)."""
+    from stratagem.contract import hosts
+
+    made: dict[tuple[int, bool], Any] = {}
+
+    def make(count: int = 2, local: bool = True) -> Any:
+        if (count, local) not in made:
+            try:
+                made[count, local] = hosts.Hosts(count, tmp_path_factory.mktemp("hosts"), local=local).start()
+            except hosts.HostsUnavailableError as error:
+                pytest.skip(str(error))
+        return made[count, local]
+
+    yield make
+    left = [f"{item}" for group in made.values() for item in group.close()]
+    if left:
+        pytest.fail("hosts left behind after teardown: " + "; ".join(left), pytrace=False)
+
+
+@pytest.fixture
+def stratagem_hosts(make_hosts: Any, request: Any) -> Any:
+    """The module's hosts for one test (two, each with a local folder, unless the test or its module is marked
+    ``@pytest.mark.stratagem_hosts(count, local=...)``). A process that the test left on them, other than a
+    daemon, fails it (and is killed), and so does a stratagem scratch entry left in a host's local folder
+    (removed)."""
+    from stratagem.contract.hosts import LeftBehindError
+
+    marker = request.node.get_closest_marker("stratagem_hosts")
+    hosts = make_hosts(*marker.args, **marker.kwargs) if marker else make_hosts()
+    yield hosts
+    try:
+        hosts.check()
+    except LeftBehindError as error:
+        failure = str(error)
+    else:
+        return
+    pytest.fail(failure, pytrace=False)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from stratagem.contract._checks import compare, fail_on
+from stratagem.contract._comparisons import compare, fail_on
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -44,7 +44,7 @@ def test_registered_and_accepted_by_a_trainer(stratagem_event_plugin: str) -> No
     import importlib_metadata
 
     from stratagem import hookspecs
-    from stratagem.registry._events import TrainerEventHooks
+    from stratagem.registry._event_hooks import TrainerEventHooks
     from stratagem.registry._manager import get_registry
 
     kind, _, name = stratagem_event_plugin.partition(":")

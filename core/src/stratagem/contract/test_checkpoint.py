@@ -1,5 +1,6 @@
-"""Checkpoints: a round trip in each declared format into new processes, and a full checkpoint written by
-``single_device`` loading under this strategy."""
+"""Checkpoints: a round trip in each declared format into new processes, a full checkpoint written by
+``single_device`` loading under this strategy, and the same weights as Hugging Face safetensors loaded into
+the sharded model and exported back bit-equal."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from stratagem.contract import _model as m
-from stratagem.contract._checks import compare, fail_on, section, skip_undeclared
+from stratagem.contract import _suite_model as m
+from stratagem.contract._comparisons import compare, fail_on, section, skip_undeclared
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -92,3 +93,25 @@ def test_loads_a_full_checkpoint_written_by_single_device(contract_run: Any) -> 
     for rank, data in loaded.items():
         problems += compare({"step": 1}, data["remainder"], f"rank {rank}: entries returned by load")
     fail_on(problems, "a full checkpoint from single_device, loaded under this strategy")
+
+
+def test_hugging_face_weights_load_and_export_bit_equal(contract_run: Any) -> None:
+    """The single_device checkpoint's weights as safetensors, loaded into a model as it is set up
+    (``init_weights``), then exported from the sharded state: the same values, and the same file bytes."""
+    _require_training(contract_run)
+    hf = section(contract_run, 2, "hf_weights")
+    single = section(contract_run, 2, "single_device")[0]
+    expected = (
+        single["params"] if single["params"] is not None else (single.get("loaded") or {}).get("params")
+    )
+    got = hf[0]["params"] if hf[0]["params"] is not None else (hf[0]["full"] or {}).get("params")
+    if expected is None or got is None:
+        skip_undeclared(
+            "checkpoint_formats", "full", "the parameters are partitioned and no full checkpoint shows them"
+        )
+    problems = compare(expected, got, "weights loaded from safetensors")
+    if hf[0]["differs"]:
+        problems.append(f"the export differs from the safetensors it loaded in {hf[0]['differs']}")
+    if hf[0]["extra"]:
+        problems.append(f"the export has files the input does not: {hf[0]['extra']}")
+    fail_on(problems, "Hugging Face weights (load with init_weights, export with save_weights)")

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from stratagem.contract._checks import compare, fail_on, section
+from stratagem.contract._comparisons import compare, fail_on, section
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from stratagem.contract import _model as m
-from stratagem.contract._checks import compare, compare_series, fail_on, section, skip_undeclared
+from stratagem.contract import _suite_model as m
+from stratagem.contract._comparisons import compare, compare_series, fail_on, section, skip_undeclared
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

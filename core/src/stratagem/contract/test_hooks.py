@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from stratagem.contract._checks import fail_on, skip_undeclared
+from stratagem.contract._comparisons import fail_on, skip_undeclared
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

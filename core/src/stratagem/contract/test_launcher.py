@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from stratagem.contract._checks import fail_on
+from stratagem.contract._comparisons import fail_on
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 

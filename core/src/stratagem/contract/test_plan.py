@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from stratagem.contract import _model as m
-from stratagem.contract._checks import fail_on, section, skip_undeclared
+from stratagem.contract import _suite_model as m
+from stratagem.contract._comparisons import fail_on, section, skip_undeclared
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

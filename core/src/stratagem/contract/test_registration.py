@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from stratagem.contract._checks import fail_on
+from stratagem.contract._comparisons import fail_on
 
 
 def _strategy_class(subject: Any) -> type:

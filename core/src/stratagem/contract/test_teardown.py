@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from stratagem.contract._checks import fail_on, section
+from stratagem.contract._comparisons import fail_on, section
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

@@ -10,16 +10,18 @@ from typing import Any, ContextManager
 
 import torch
 
-from stratagem.engine._checkpoints import Checkpoints
-from stratagem.engine._compiling import Compiling
+from stratagem.engine._checkpoint_io import Checkpoints
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
+from stratagem.engine._init_weights import wrap_and_load
 from stratagem.engine._launching import Launching
-from stratagem.engine._optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer
-from stratagem.engine._steps import Steps
+from stratagem.engine._model_setup import Compiling
+from stratagem.engine._strategy_optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer
+from stratagem.engine._training_steps import Steps
 from stratagem.engine.seed import seed_everything
 from stratagem.errors import ConfigurationError
-from stratagem.launchers import _spawn as agent
+from stratagem.launchers import _worker_start
 from stratagem.launchers import cluster as cluster_mod
+from stratagem.registry._labels import parse_label
 from stratagem.registry._manager import StrategyHooks, get_registry, installed_plugins
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.precision import normalize
@@ -28,7 +30,8 @@ from stratagem.strategies.precision import normalize
 class Engine(Launching, Checkpoints, Compiling, Steps):
     """Run a training loop under a strategy chosen by name.
 
-    :param strategy: a registered name (``"ddp"``, ``"fsdp"``, ...), ``"auto"``, or a ``Strategy`` instance.
+    :param strategy: a registered name (``"ddp"``, ``"fsdp"``, ...), the same with options
+        (``"fsdp_tp[tensor_parallel_size=2]"``, ``"fsdp[SHARD_GRAD_OP]"``), ``"auto"``, or a ``Strategy`` instance.
     :param accelerator: ``"auto"``, ``"cpu"`` or ``"cuda"``.
     :param devices: processes per node.
     :param num_nodes: nodes.
@@ -75,7 +78,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
             launcher=launcher,
             launcher_options=dict(launcher_options or {}),
         )
-        agent.check_max_restarts(max_restarts)
+        _worker_start.check_max_restarts(max_restarts)
         self.max_restarts = max_restarts
         self.accelerator = cluster_mod.resolve_accelerator(accelerator)
         self.precision = normalize(precision)
@@ -83,12 +86,13 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         self._source = cluster_mod.launched_externally()
         if self._source is not None:
             # Record an uncaught exception for the launcher from the start, not only once training begins.
-            agent.install_worker_excepthook()
+            _worker_start.install_worker_excepthook()
         self._check_devices()
         self.world_size_requested = self._expected_world_size()
         if self._source == "slurm":
-            agent.set_task_threads(self.accelerator)
+            _worker_start.set_task_threads(self.accelerator)
         self._addons = tuple(addons)
+        self._strategy_options: dict[str, Any] = {}  # a name's options, "fsdp_tp[tensor_parallel_size=2]"
         self._strategy_info, self._strategy = self._resolve_strategy(strategy)
         self._launcher_choice = launcher
         if self.needs_launch:
@@ -134,7 +138,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
     @property
     def strategy(self) -> Strategy:
         if self._strategy is None:
-            self._strategy = self._strategy_info.create()
+            self._strategy = self._strategy_info.create(**self._strategy_options)
         return self._strategy
 
     @property
@@ -162,17 +166,13 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         name = strategy
         if name == "auto":
             name = os.environ.get(STRATEGY_ENV) or self._auto_name(registry)
+        if "[" in name:
+            name, self._strategy_options = parse_label(name, f"strategy={name!r}")
         return self._check(name), None
 
     def _auto_name(self, registry: Any) -> str:
-        if self.world_size_requested == 1:
-            return "single_device"
-        if "ddp" in registry:
-            return "ddp"
-        raise ConfigurationError(
-            f"strategy='auto' with {self.world_size_requested} processes needs a multi-process strategy. "
-            "Install one: pip install stratagem-ddp (or stratagem-fsdp), or name a strategy."
-        )
+        request = dict(accelerator=self.accelerator, precision=self.precision)
+        return registry.auto(world_size=self.world_size_requested, **request).name
 
     def _check(self, name: str) -> Any:
         return get_registry().check_request(
@@ -207,7 +207,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
                 "engine.launch(fn) (or engine.launch() to re-run this script), or start it with torchrun or "
                 "`stratagem run --devices N script.py`."
             )
-        agent.install_worker_excepthook()
+        _worker_start.install_worker_excepthook()
         env = cluster_mod.detect(
             accelerator=self.accelerator,
             devices=self.devices,
@@ -282,7 +282,9 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         with self._hooks.model_init_context(empty_init), self._hooks.model_sharded_context():
             yield
 
-    def setup(self, model: torch.nn.Module, *optimizers: Any, compile: Any = None) -> Any:
+    def setup(
+        self, model: torch.nn.Module, *optimizers: Any, compile: Any = None, init_weights: Any = None
+    ) -> Any:
         """Wrap the model and its optimizers; return ``model`` or ``(model, *optimizers)``.
 
         ``compile``: ``True``, or a dict of ``backend``, ``mode``, ``fullgraph``, ``dynamic`` and ``regional``
@@ -292,7 +294,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         --compile``), if set. A model wrapped by ``torch.compile`` already is unwrapped and compiled there.
         """
         names = {id(p): _clean_name(n) for n, p in model.named_parameters()}
-        wrapped = self.setup_module(model, compile=compile)
+        wrapped = self.setup_module(model, compile=compile, init_weights=init_weights)
         if not optimizers:
             return wrapped
         for optimizer in optimizers:
@@ -308,10 +310,13 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
                 _rebind_optimizer(optimizer, names, wrapped)
         return (wrapped, *self.setup_optimizers(wrapped, *optimizers))
 
-    def setup_module(self, model: torch.nn.Module, compile: Any = None) -> torch.nn.Module:
-        """Wrap the model alone (``compile`` as in :meth:`setup`)."""
+    def setup_module(
+        self, model: torch.nn.Module, compile: Any = None, init_weights: Any = None
+    ) -> torch.nn.Module:
+        """Wrap the model alone (``compile`` as in :meth:`setup`). ``init_weights``: Hugging Face weights to fill
+        it with, each rank reading only its parts (a path, URL or ``HFWeights``; docs/hugging-face.md)."""
         self.setup_environment()
-        wrapped = self._wrap(model, compile)
+        wrapped = wrap_and_load(self, model, init_weights, lambda: self._wrap(model, compile))
         self._models.append(wrapped)
         return wrapped
 

@@ -9,8 +9,7 @@ from typing import Any
 
 from stratagem.engine._defaults import DEFAULT_LAUNCHER, LAUNCHER_ENV
 from stratagem.errors import ConfigurationError, WorkerFailedError
-from stratagem.launchers import _rerun
-from stratagem.launchers import _spawn as agent
+from stratagem.launchers import _rerun, _worker_start
 from stratagem.registry._manager import get_registry
 
 
@@ -37,7 +36,7 @@ class Launching:
         raise NotImplementedError
 
     def _resolve_launcher(self, launcher: Any, options: dict[str, Any]) -> Any:
-        from stratagem.launchers.base import Launcher
+        from stratagem.launchers.launcher import Launcher
 
         registry = get_registry()
         if isinstance(launcher, Launcher):
@@ -45,9 +44,9 @@ class Launching:
                 raise ConfigurationError(
                     f"launcher_options={options!r} with a Launcher instance: give the options to its constructor."
                 )
-            name = launcher.registered_name
-            if name is not None and name in registry.launchers:
-                registry.check_launcher(name, accelerator=self.accelerator, num_nodes=self.num_nodes)
+            info = _registration(launcher)
+            if info is not None:
+                registry.check_launcher(info.name, accelerator=self.accelerator, num_nodes=self.num_nodes)
             return launcher
         if not isinstance(launcher, str):
             raise ConfigurationError(f"launcher={launcher!r}: give a registered name or a Launcher instance.")
@@ -59,9 +58,8 @@ class Launching:
             raise ConfigurationError(f"launcher_options for launcher {name!r}: {error}.") from error
 
     def _launcher_starts_all_nodes(self) -> bool:
-        name = getattr(self._launcher, "registered_name", None)
-        registry = get_registry()
-        return name in registry.launchers and registry.launchers[name].capabilities.starts_all_nodes
+        info = _registration(self._launcher)
+        return info is not None and bool(info.capabilities.starts_all_nodes)
 
     def _run_job(self, job: Any) -> dict[int, Any]:
         from stratagem.registry._manager import LauncherHooks
@@ -76,7 +74,7 @@ class Launching:
             nproc_per_node=self.devices,
             nnodes=self.num_nodes,
             accelerator=self.accelerator,
-            env=agent.worker_environment(self.accelerator, fields.pop("env", None), self.devices),
+            env=_worker_start.worker_environment(self.accelerator, fields.pop("env", None), self.devices),
             max_restarts=self.max_restarts,
             **fields,
         )
@@ -86,7 +84,7 @@ class Launching:
         supervises: the rest of the script ran in the workers). ``job``: more fields of the
         :class:`~stratagem.launchers.LaunchJob` (the Trainer's preemption settings)."""
         try:
-            self._run_job(self._job("script", command=agent.current_command(), **job))
+            self._run_job(self._job("script", command=_worker_start.current_command(), **job))
         except WorkerFailedError as error:
             raise SystemExit(f"stratagem: {error}") from None
         raise SystemExit(0)
@@ -142,7 +140,9 @@ class Launching:
                 )
             result = _rerun.run_script_for(
                 call,
-                lambda env: self._run_job(self._job("script", command=agent.current_command(), env=env)),
+                lambda env: self._run_job(
+                    self._job("script", command=_worker_start.current_command(), env=env)
+                ),
             )
         _rerun.record(result)
         return result
@@ -170,3 +170,15 @@ def _worker_main(
     result = fn(engine, *args)
     engine.teardown()
     return result
+
+
+def _registration(launcher: Any) -> Any:
+    """The registry's entry for a launcher object: the name it was created under, else its class's (an instance
+    built by hand, ``RayLauncher(address=...)``, has no name but declares what its class does)."""
+    launchers = get_registry().launchers
+    name = getattr(launcher, "registered_name", None)
+    if name and name in launchers:
+        return launchers[name]
+    cls = type(launcher)
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    return next((info for info in launchers.values() if info.factory in (cls, path)), None)

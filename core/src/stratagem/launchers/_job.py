@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from stratagem.launchers import _preemption
+from stratagem.launchers import _preemption_signals
 from stratagem.registry.capabilities import LauncherCapabilities
 
 __all__ = ["LaunchJob", "LauncherCapabilities"]
@@ -49,12 +49,16 @@ class LaunchJob:
     env: Mapping[str, str] = attrs.field(factory=dict)
     max_restarts: int = 0
     preemption_signals: tuple[str, ...] = attrs.field(
-        default=_preemption.DEFAULT_SIGNALS,
-        converter=functools.partial(_preemption.signal_names, option="LaunchJob(preemption_signals=...)"),
+        default=_preemption_signals.DEFAULT_SIGNALS,
+        converter=functools.partial(
+            _preemption_signals.signal_names, option="LaunchJob(preemption_signals=...)"
+        ),
     )
     preemption_grace_s: float = attrs.field(
-        default=_preemption.DEFAULT_GRACE_S,
-        converter=functools.partial(_preemption.check_grace, option="LaunchJob(preemption_grace_s=...)"),
+        default=_preemption_signals.DEFAULT_GRACE_S,
+        converter=functools.partial(
+            _preemption_signals.check_grace, option="LaunchJob(preemption_grace_s=...)"
+        ),
     )
 
     @property

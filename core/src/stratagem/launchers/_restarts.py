@@ -3,7 +3,7 @@
 torch's elastic agent tells each worker how many times the group restarted (``TORCHELASTIC_RESTART_COUNT``;
 another launcher may say the same through ``STRATAGEM_RESTART_COUNT``), and SLURM how many times the job was
 requeued (``SLURM_RESTART_COUNT``); a run's restarts are both together. stratagem's agent writes what failed
-before each restart to the file named by ``STRATAGEM_RESTART_LOG`` (see :mod:`stratagem.launchers._agent`); beside it,
+before each restart to the file named by ``STRATAGEM_RESTART_LOG`` (see :mod:`stratagem.launchers._elastic_agent`); beside it,
 rank 0 keeps the newest step it finished, so that a restarted rank 0 can say how many steps were lost.
 """
 

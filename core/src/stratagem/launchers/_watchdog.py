@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from stratagem.launchers._failures import FAILURE_SUFFIX
+from stratagem.launchers._failure_records import FAILURE_SUFFIX
 
 #: The loop's phases, in the order they happen within one batch.
 PHASES = ("data", "training_step", "backward", "optimizer_step", "validation", "checkpoint", "logging")
@@ -34,6 +35,8 @@ PHASES = ("data", "training_step", "backward", "optimizer_step", "validation", "
 USER_PHASES = frozenset({"data", "training_step", "validation"})
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _KEY = "stratagem/watchdog/{rank}"
+#: Each rank's host, written as the watchdog starts: a rank that cannot answer is named with its host.
+_HOST_KEY = "stratagem/watchdog/host/{rank}"
 
 
 def collective_timeout(timeout: float) -> float:
@@ -55,6 +58,11 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         self._last = time.monotonic()
+        if self.store is not None and self.world_size > 1:
+            try:
+                self.store.set(_HOST_KEY.format(rank=self.rank), socket.gethostname())
+            except Exception:
+                pass  # a note for a later message; training goes on without it
         self._thread.start()
         return self
 
@@ -123,15 +131,29 @@ class Watchdog:
             )
             _record(message, f"Its main thread was here:\n{mine['stack']}{message}")
             os._exit(1)
-        waiting_for = ", ".join(f"rank {r}" for r in culprits) or "no rank that could be told apart"
+        waiting_for = ", ".join(self._named(r) for r in culprits) or "no rank that could be told apart"
         message = (
             f"rank {self.rank} waited {stalled:.1f} s (timeout {self.timeout:g} s) for {waiting_for}, which did "
             f"not arrive at step {notes[self.rank]['step']}."
         )
-        # The culprit ends first, so that the launcher reports it; this rank follows if nobody stops it.
-        time.sleep(self.grace * 2)
+        silent = bool(culprits) and all(r not in notes for r in culprits)
+        if silent:
+            message += " It did not answer at all: its host is lost, or cut off from this one."
+        else:
+            # The culprit ends first, so that the launcher reports it; this rank follows if nobody stops it. A
+            # rank that could not answer cannot end first: there is nothing to wait for.
+            time.sleep(self.grace * 2)
         _record(message, message)
         os._exit(1)
+
+    def _named(self, rank: int) -> str:
+        """``rank 1 (on h1)``: with its host, when the rank said which it is."""
+        try:
+            if self.store.check([_HOST_KEY.format(rank=rank)]):
+                return f"rank {rank} (on {self.store.get(_HOST_KEY.format(rank=rank)).decode()})"
+        except Exception:
+            pass
+        return f"rank {rank}"
 
 
 def find_culprits(notes: dict[int, dict[str, Any]], world_size: int) -> list[int]:

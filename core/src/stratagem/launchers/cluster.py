@@ -31,6 +31,8 @@ class ClusterEnvironment:
     :param timeout_s: the process-group timeout in seconds.
     :param source: what launched the process: ``single``, ``torchrun`` (also stratagem's own launcher) or ``slurm``.
     :param restart_count: how many times the launcher restarted this worker group (0 in the first attempt).
+    :param rendezvous_round: the round of torch's c10d rendezvous this worker group formed in, the same on every
+        node (stratagem's agent says it; ``None`` otherwise).
     :param launcher_hosts_store: the store at ``master_addr:master_port`` belongs to the launcher (torch's
         elastic agent sharing its rendezvous store) and outlives a restart, keeping the last attempt's keys.
     """
@@ -48,6 +50,7 @@ class ClusterEnvironment:
     timeout_s: float = 1800.0
     source: str = "single"
     restart_count: int = 0
+    rendezvous_round: int | None = None
     launcher_hosts_store: bool = False
 
     @property
@@ -167,5 +170,8 @@ def detect(
         source=source or "single",
         # stratagem's agent counts every restart (a node joining too); torch's counts those after a failure.
         restart_count=int(env.get("STRATAGEM_RESTART_COUNT") or env.get("TORCHELASTIC_RESTART_COUNT") or 0),
+        rendezvous_round=int(env["STRATAGEM_RENDEZVOUS_ROUND"])
+        if env.get("STRATAGEM_RENDEZVOUS_ROUND")
+        else None,
         launcher_hosts_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from stratagem.hookspecs import hookimpl
-from stratagem.launchers import _preemption
-from stratagem.launchers import _spawn as agent
+from stratagem.launchers import _preemption_signals, _worker_start
 from stratagem.launchers._job import LaunchJob
-from stratagem.launchers.base import Launcher
+from stratagem.launchers.launcher import Launcher
 
 
 class ElasticLauncher(Launcher):
@@ -22,12 +21,15 @@ class ElasticLauncher(Launcher):
             nnodes=job.nnodes,
             node_rank=job.node_rank,
             rdzv_endpoint=job.rdzv_endpoint,
-            # The agent passes the preemption signals on to the workers (see launchers/_preemption.py).
-            env={**job.env, **_preemption.launcher_env(job.preemption_signals, job.preemption_grace_s)},
+            # The agent passes the preemption signals on to the workers (see launchers/_preemption_signals.py).
+            env={
+                **job.env,
+                **_preemption_signals.launcher_env(job.preemption_signals, job.preemption_grace_s),
+            },
             max_restarts=job.max_restarts,
         )
         if job.kind == "script":
-            agent.launch_script(list(job.command), rdzv_configs=dict(job.rdzv_configs), **common)
+            _worker_start.launch_script(list(job.command), rdzv_configs=dict(job.rdzv_configs), **common)
             return {}
         assert job.function is not None
-        return agent.launch_function(job.function, tuple(job.args), **common)
+        return _worker_start.launch_function(job.function, tuple(job.args), **common)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from stratagem.loggers._base import RankZeroLogger
+from stratagem.loggers._logger_base import RankZeroLogger
 from stratagem.trainer._metrics import CsvLog
 
 

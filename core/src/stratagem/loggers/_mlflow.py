@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from stratagem.hookspecs import hookimpl
-from stratagem.loggers._base import RankZeroLogger
+from stratagem.loggers._logger_base import RankZeroLogger
 
 # MLflow keys allow letters, digits, and _ - . space /.
 _BAD_KEY_CHARS = re.compile(r"[^\w\-. /]")

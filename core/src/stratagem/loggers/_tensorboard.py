@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stratagem.loggers._base import RankZeroLogger
+from stratagem.loggers._logger_base import RankZeroLogger
 
 
 class TensorBoardLogger(RankZeroLogger):

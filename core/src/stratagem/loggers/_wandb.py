@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from stratagem.hookspecs import hookimpl
-from stratagem.loggers._base import RankZeroLogger
+from stratagem.loggers._logger_base import RankZeroLogger
 
 
 class WandbLogger(RankZeroLogger):

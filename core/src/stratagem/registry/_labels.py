@@ -1,5 +1,6 @@
-"""Strategy names with options, as ``stratagem compare --strategies`` and the contract suite's
-``--stratagem-strategy`` take them: ``fsdp``, ``fsdp[SHARD_GRAD_OP]``, ``fsdp_tp[tensor_parallel_size=2]``.
+"""Strategy names with options, as the Engine (``Trainer(strategy=...)``, ``stratagem run``/``demo
+--strategy``), ``stratagem compare --strategies`` and the contract suite's ``--stratagem-strategy`` take them:
+``fsdp``, ``fsdp[SHARD_GRAD_OP]``, ``fsdp_tp[tensor_parallel_size=2]``.
 Imports nothing heavy (the contract suite's pytest plugin reads these at start-up)."""
 
 from __future__ import annotations

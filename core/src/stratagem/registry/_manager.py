@@ -1,11 +1,11 @@
-"""The plugin manager: with :mod:`~stratagem.registry._events`, the only code that touches ``pm.hook``.
+"""The plugin manager: with :mod:`~stratagem.registry._event_hooks`, the only code that touches ``pm.hook``.
 
 Discovery loads the entry points of the group ``stratagem`` and asks each plugin to
 ``register_strategies(register)``. At run time a fresh manager holds the chosen strategy (the only plain
 implementation of each strategy operation) and the add-on plugins, whose implementations must be wrappers.
 Each Trainer has a manager of its own for its events, holding only the callbacks and loggers it was given
-(:mod:`stratagem.registry._events`). Callers use the typed methods of :class:`StrategyHooks`,
-:class:`LauncherHooks` and :class:`~stratagem.registry._events.TrainerEventHooks`, never ``pm.hook``.
+(:mod:`stratagem.registry._event_hooks`). Callers use the typed methods of :class:`StrategyHooks`,
+:class:`LauncherHooks` and :class:`~stratagem.registry._event_hooks.TrainerEventHooks`, never ``pm.hook``.
 """
 
 from __future__ import annotations
@@ -34,13 +34,19 @@ PLUGINS_ENV = "STRATAGEM_PLUGINS"
 #: Entry-point names never to load (``*``: every plugin but the built-ins), to bypass a broken plugin without
 #: uninstalling it; the listings say which were disabled.
 DISABLE_ENV = "STRATAGEM_DISABLE_PLUGINS"
-BUILTIN_PLUGIN = "stratagem.strategies._builtin"
-BUILTIN_LAUNCHERS = "stratagem.launchers._builtin"
-BUILTIN_CALLBACKS = "stratagem.callbacks._builtin"
-BUILTIN_LOGGERS = "stratagem.loggers._builtin"
+BUILTIN_PLUGIN = "stratagem.strategies._builtin_strategies"
+BUILTIN_LAUNCHERS = "stratagem.launchers._builtin_launchers"
+BUILTIN_CALLBACKS = "stratagem.callbacks._builtin_callbacks"
+BUILTIN_LOGGERS = "stratagem.loggers._builtin_loggers"
 #: Discovery hooks (every implementation runs) and the launcher's operation: not strategy operations.
 DISCOVERY_HOOKS = frozenset(
-    {"register_strategies", "register_launchers", "register_callbacks", "register_loggers"}
+    {
+        "register_strategies",
+        "register_launchers",
+        "register_callbacks",
+        "register_loggers",
+        "register_install_hints",
+    }
 )
 LAUNCHER_HOOKS = frozenset({"launch_workers"})
 #: Asked of the chosen strategy by the plan (``stratagem plan``, ``strategy="auto"``), never during a run.
@@ -156,6 +162,9 @@ def discover(environ: Mapping[str, str] | None = None) -> tuple[Registry, list[t
             for impl in pm.hook.register_loggers.get_hookimpls():
                 if impl.plugin is module:
                     impl.function(register=registry.callback_registrar(info, "logger"))
+            for impl in pm.hook.register_install_hints.get_hookimpls():
+                if impl.plugin is module:
+                    impl.function(register=registry.hints.registrar(info))
         except Exception as error:
             registry.broken.append(PluginLoadError(label, info.distribution, info.version, error))
             continue
@@ -308,6 +317,9 @@ class StrategyHooks:
 
     def load_checkpoint(self, path: str, state: dict[str, Any], strict: bool) -> dict[str, Any]:
         return self._hook.load_checkpoint(path=path, state=state, strict=strict)
+
+    def weight_shards(self, model: torch.nn.Module, purpose: str) -> list[Any]:
+        return list(self._hook.weight_shards(model=model, purpose=purpose))
 
     # collectives -----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:

@@ -18,6 +18,7 @@ from stratagem.errors import (
     UnknownNameError,
     UnknownStrategyError,
 )
+from stratagem.registry._hints import InstallHints, auto_strategy
 from stratagem.registry._hook_object import HookObject
 from stratagem.registry.capabilities import Capabilities, LauncherCapabilities
 
@@ -205,6 +206,8 @@ class Registry:
     loggers: dict[str, CallbackInfo] = attrs.field(factory=dict)
     #: Plugins named by ``STRATAGEM_DISABLE_PLUGINS``: found, never imported.
     disabled: list[PluginInfo] = attrs.field(factory=list)
+    #: What the installed plugins say about names they do not register (``register_install_hints``).
+    hints: InstallHints = attrs.field(factory=InstallHints)
 
     def callback_registrar(self, plugin: PluginInfo, kind: str) -> Callable[..., None]:
         """The ``register`` callback handed to one plugin's ``register_callbacks`` (or ``register_loggers``)."""
@@ -242,7 +245,7 @@ class Registry:
         try:
             return table[name]
         except KeyError:
-            raise UnknownNameError(kind, name, table) from None
+            raise UnknownNameError(kind, name, table, self.hints.sentence(kind, name)) from None
 
     def launcher_registrar(self, plugin: PluginInfo) -> Callable[..., None]:
         """The ``register`` callback handed to one plugin's ``register_launchers``."""
@@ -275,7 +278,7 @@ class Registry:
         try:
             return self.launchers[name]
         except KeyError:
-            raise UnknownLauncherError(name, self.launchers) from None
+            raise UnknownLauncherError(name, self.launchers, self.hints.sentence("launcher", name)) from None
 
     def check_launcher(self, name: str, *, accelerator: str, num_nodes: int) -> LauncherInfo:
         """The launcher's info, after checking the request against what it declares."""
@@ -306,20 +309,7 @@ class Registry:
             capabilities: Capabilities | None = None,
             **preset_options: Any,
         ) -> None:
-            if not name or not set(name) <= _NAME_CHARS:
-                raise ValueError(
-                    f"register({name!r}): a strategy name is lower-case letters, digits and underscores."
-                )
-            if not isinstance(factory, (str, type)):
-                raise TypeError(f"register({name!r}): factory must be a class or 'pkg.module:Class' string.")
-            if isinstance(factory, str) and ":" not in factory:
-                raise ValueError(
-                    f"register({name!r}): factory string {factory!r} must look like 'pkg.module:Class'."
-                )
-            if not description:
-                raise ValueError(
-                    f"register({name!r}): give a one-line description for `stratagem strategies`."
-                )
+            _check_registration("strategy", name, factory, description)
             info = StrategyInfo(
                 name=name,
                 factory=factory,
@@ -363,7 +353,19 @@ class Registry:
                     + "; ".join(f"{b.entry_point} ({b.distribution})" for b in self.broken)
                     + ". Run `stratagem strategies` for details."
                 )
-            raise UnknownStrategyError(name, self.names(), hint) from None
+            install = self.hints.sentence("strategy", name)
+            raise UnknownStrategyError(name, self.names(), hint, install) from None
+
+    def auto(
+        self, *, world_size: int, accelerator: str | None = None, precision: str | None = None
+    ) -> StrategyInfo:
+        """What ``strategy="auto"`` means: the core's ``single_device`` for one process; for more, the strategy
+        that declares the highest ``auto_priority`` among those serving the request (ties: by name)."""
+        if world_size == 1:
+            return self.get("single_device")
+        return auto_strategy(
+            self, self.hints, world_size=world_size, accelerator=accelerator, precision=precision
+        )
 
     def check_request(
         self,

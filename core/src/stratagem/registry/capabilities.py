@@ -38,6 +38,14 @@ def _requirement_installed(requirement: str) -> bool:
     return installed(re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0])
 
 
+def _optional_int(what: str):
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"Capabilities: {what}={value!r}; give a whole number, or None.")
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class Capabilities:
     """The requests a strategy can serve.
@@ -50,6 +58,9 @@ class Capabilities:
     :param requires: distributions it needs at run time beyond its own, e.g. ``("deepspeed>=0.14",)``.
     :param compile: whether a run may ask for ``compile=`` (``torch.compile``) with it; ``False`` is refused
         before launch, and the contract suite skips its compile section naming this declaration.
+    :param auto_priority: ``strategy="auto"`` with several processes may pick it: the highest priority among the
+        installed strategies that serve the request wins (ties by name; stratagem-ddp's ``ddp`` declares 10).
+        ``None`` (the default): never picked by ``auto``.
     """
 
     accelerators: frozenset[str] = attrs.field(
@@ -65,6 +76,7 @@ class Capabilities:
     max_world_size: int | None = attrs.field(default=None)
     requires: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     compile: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    auto_priority: int | None = attrs.field(default=None, validator=_optional_int("auto_priority"))
 
     def __attrs_post_init__(self) -> None:
         if self.max_world_size is not None and self.max_world_size < self.min_world_size:
@@ -115,6 +127,7 @@ class Capabilities:
             "world_sizes": [self.min_world_size, self.max_world_size],
             "requires": list(self.requires),
             "compile": self.compile,
+            "auto_priority": self.auto_priority,
         }
 
 

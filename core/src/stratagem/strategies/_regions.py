@@ -248,7 +248,8 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, list[str], Any]:
-    """The model without torch.compile's wrappers, where they were, and the root's wrapper (or ``None``)."""
+    """The model without torch.compile's wrappers, where they were, and what compiled the root: its
+    ``OptimizedModule``, or the function its ``Module.compile()`` set (``None``: the root was not compiled)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     where: list[str] = []
@@ -268,6 +269,8 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, list[str], Any]:
                 where.append(".".join(p for p in (*path.split("."), child_name) if p and p != "_orig_mod"))
     for path, module in model.named_modules():
         if module.__dict__.get("_compiled_call_impl") is not None:
+            if not path and root is None:
+                root = module._compiled_call_impl  # the root's options are read from it
             module._compiled_call_impl = None  # what Module.compile() set
             where.append(path)
         if is_compiled(module):

@@ -164,6 +164,15 @@ class Strategy(HookObject):
 
         return _load.load(self, path, state, strict)
 
+    @hookimpl
+    def weight_shards(self, model: torch.nn.Module, purpose: str) -> list[Any]:
+        from stratagem.checkpoint._hf_shards import check_live, from_state_dict
+
+        shards = from_state_dict(self.module_state_dict(model, full=False))
+        if purpose == "load":
+            check_live(shards, model, type(self).__name__)
+        return shards
+
     def module_state_dict(self, module: torch.nn.Module, *, full: bool) -> dict[str, Any]:
         """The module's state: gathered plain tensors on rank 0 (``full``; other ranks may return ``{}``),
         or this rank's shards as DTensors (sharded)."""

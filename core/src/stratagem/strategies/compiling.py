@@ -31,6 +31,7 @@ __all__ = [
     "compile_options",
     "compile_regions",
     "dynamo_counts",
+    "region_names",
     "unwrap_compiled",
 ]
 
@@ -242,10 +243,19 @@ def compile_regions(module: torch.nn.Module, options: CompileOptions, prefix: st
     return names
 
 
+def region_names(module: torch.nn.Module, options: CompileOptions) -> list[str]:
+    """The names of the regions :func:`compile_regions` would compile in ``module`` (``""``: the whole module),
+    compiling nothing: for a strategy that chooses the regions on the whole model and compiles them piece by
+    piece (a pipeline's stages, of which one may hold a single block that alone does not repeat)."""
+    from stratagem.strategies import _regions
+
+    return [name for name, _ in _regions.find_regions(module, options.regional)]
+
+
 def unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str], CompileOptions | None]:
     """Take ``torch.compile`` off a model: the ``OptimizedModule`` wrappers at the root and inside (each child
     replaced by the module it wraps) and what ``Module.compile()`` set. Returns the plain model, where
-    compile was found, and the options the root's wrapper was given (backend, fullgraph, dynamic) if any."""
+    compile was found, and the options the root was compiled with (backend, mode, fullgraph, dynamic) if any."""
     import sys
 
     if "torch._dynamo" not in sys.modules:
@@ -256,32 +266,58 @@ def unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str],
     return model, where, None if root is None else _options_of(root)
 
 
-def _options_of(wrapper: Any) -> CompileOptions | None:
-    """The backend, fullgraph and dynamic a ``torch.compile(model)`` was given, where torch shows them."""
+def _options_of(compiled: Any) -> CompileOptions | None:
+    """The backend, mode, fullgraph and dynamic that ``torch.compile`` was given, where torch shows them:
+    ``compiled`` is its ``OptimizedModule``, or the function ``Module.compile()`` set."""
     try:
-        from torch._dynamo.eval_frame import innermost_backend
+        from torch._dynamo.eval_frame import _TorchDynamoContext, innermost_backend
 
-        context = wrapper.dynamo_ctx
-        name = getattr(innermost_backend(context.callback), "compiler_name", None)
+        context = getattr(compiled, "dynamo_ctx", None)
+        if context is None:  # Module.compile()'s function holds its context in a closure cell
+            cells = [cell.cell_contents for cell in getattr(compiled, "__closure__", None) or ()]
+            context = next(c for c in cells if isinstance(c, _TorchDynamoContext))
+        backend = innermost_backend(context.callback)
+        name = getattr(backend, "compiler_name", None)
         dynamic = getattr(context, "_dynamic", None)
+        dynamic = dynamic if isinstance(dynamic, bool) else None
         return CompileOptions(
             backend=name if isinstance(name, str) else "inductor",
+            mode=_inductor_mode(backend, dynamic) if name == "inductor" else None,
             fullgraph=bool(getattr(context, "fullgraph", False)),
-            dynamic=dynamic if isinstance(dynamic, bool) else None,
+            dynamic=dynamic,
         )
     except Exception:  # torch's internals moved: the defaults will do
         return None
 
 
-def note_recompiled(where: list[str], options: CompileOptions) -> None:
-    """The one-line note for a model that came compiled already."""
+def _inductor_mode(backend: Any, dynamic: bool | None) -> str | None:
+    """The mode whose settings inductor's wrapper holds (torch keeps the settings a mode stands for, not its
+    name); ``None`` for the default mode."""
+    config = getattr(backend, "config", None)
+    if not config:
+        return None
+    import torch._inductor
+
+    modes = torch._inductor.list_mode_options(None, dynamic)
+    return next((mode for mode, settings in modes.items() if settings and settings == config), None)
+
+
+def recompiled_note(where: list[str], options: CompileOptions | None) -> str:
+    """The one-line note for a model that came compiled already (``options``: what it is compiled with now;
+    ``None``: not compiled, as ``compile=False`` asked)."""
     shown = ", ".join(w or "the model" for w in where[:4]) + (" ..." if len(where) > 4 else "")
-    warnings.warn(
-        f"stratagem: the model came compiled by torch.compile ({shown}); unwrapped and compiled again after "
-        f"tensor parallelism and activation checkpointing, before data-parallel wrapping ({options.describe()}).",
-        UserWarning,
-        stacklevel=4,
+    came = f"stratagem: the model came compiled by torch.compile ({shown}); unwrapped"
+    if options is None:
+        return f"{came} and not compiled (compile=False)."
+    return (
+        f"{came} and compiled again after tensor parallelism and activation checkpointing, before data-parallel "
+        f"wrapping ({options.describe()})."
     )
+
+
+def note_recompiled(where: list[str], options: CompileOptions) -> None:
+    """:func:`recompiled_note` as a warning (the Engine's; the Trainer prints it on rank 0)."""
+    warnings.warn(recompiled_note(where, options), UserWarning, stacklevel=4)
 
 
 def dynamo_counts() -> dict[str, int]:

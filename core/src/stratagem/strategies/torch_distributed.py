@@ -30,7 +30,7 @@ def _quiesce_at_exit() -> None:
     gives the threads a moment to let go. Then it freezes what is left (:func:`gc.freeze`): objects that are
     still alive are freed by the interpreter's teardown as their references go, but its collections no longer
     walk the whole of torch's object graph again and again, which took most of a second of each process's exit
-    (a preempted worker's among them; the launcher does the same, :func:`stratagem.launchers._agent.run_agent`).
+    (a preempted worker's among them; the launcher does the same, :func:`stratagem.launchers._elastic_agent.run_agent`).
     """
     global _quiesce_registered
     if _quiesce_registered:
@@ -106,7 +106,9 @@ class TorchDistributedStrategy(Strategy):
         if backend == "nccl":
             kwargs["device_id"] = self.device
         formed = next(_GROUPS_FORMED)
-        if cluster.launcher_hosts_store and (cluster.restart_count > 0 or formed > 0):
+        # Under several nodes, the round is what every node's workers agree on; each agent's restarts may differ.
+        attempt = cluster.restart_count if cluster.rendezvous_round is None else cluster.rendezvous_round
+        if cluster.launcher_hosts_store and (attempt > 0 or formed > 0):
             # The launcher's store still holds the keys of the groups formed before this one (a failed
             # attempt's workers, or this process's previous group: a loop that tears down and sets up again,
             # the contract suite's shared launches). A group formed from them would connect to dead or
@@ -115,7 +117,7 @@ class TorchDistributedStrategy(Strategy):
             shared = dist.TCPStore(
                 cluster.master_addr, cluster.master_port, cluster.world_size, is_master=False, timeout=timeout
             )
-            prefix = f"stratagem/attempt-{cluster.restart_count}/" + (f"group-{formed}/" if formed else "")
+            prefix = f"stratagem/attempt-{attempt}/" + (f"group-{formed}/" if formed else "")
             kwargs["store"] = dist.PrefixStore(prefix, shared)
         else:
             kwargs["init_method"] = f"tcp://{cluster.master_addr}:{cluster.master_port}"

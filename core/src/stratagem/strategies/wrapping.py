@@ -15,6 +15,9 @@ M = TypeVar("M")
 _wrapper: contextvars.ContextVar[Callable[[object], object] | None] = contextvars.ContextVar(
     "stratagem_wrapper", default=None
 )
+_allocate_only: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "stratagem_allocate_only", default=False
+)
 
 
 def wrap(module: M) -> M:
@@ -61,8 +64,47 @@ def wrapping_with(
         _wrapper.reset(token)
 
 
+@contextlib.contextmanager
+def allocating_only() -> Iterator[None]:
+    """Inside this block, a model built on the meta device is materialised without being initialised: its
+    weights are read from a checkpoint right after (``init_weights``), so drawing them first is wasted, and
+    modules without ``reset_parameters`` (a ``transformers`` RMSNorm) need none."""
+    token = _allocate_only.set(True)
+    try:
+        yield
+    finally:
+        _allocate_only.reset(token)
+
+
+def initializing() -> bool:
+    """Whether a strategy that materialises a meta model should initialise it (``reset_parameters``); false
+    inside :func:`allocating_only`, where it only allocates (``to_empty``)."""
+    return not _allocate_only.get()
+
+
 def has_meta_tensors(module: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device (built under ``empty_init=True``
+    and not materialised yet)."""
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def shared_parameters(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """``(alias, first name)`` of each parameter registered under several names (tied embeddings)."""
+    first: dict[int, str] = {}
+    shared = []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            shared.append((name, first[id(param)]))
+        else:
+            first.setdefault(id(param), name)
+    return shared
+
+
+def retie(module: torch.nn.Module, shared: list[tuple[str, str]]) -> None:
+    """Make each alias the same parameter as its first name again: ``to_empty`` gives every name its own."""
+    for alias, name in shared:
+        owner, _, attribute = alias.rpartition(".")
+        module.get_submodule(owner)._parameters[attribute] = module.get_parameter(name)
 
 
 def materialize_meta(module: torch.nn.Module, device: torch.device | str) -> None:
@@ -75,7 +117,11 @@ def materialize_meta(module: torch.nn.Module, device: torch.device | str) -> Non
 
     if not has_meta_tensors(module):
         return
+    shared = shared_parameters(module)
     module.to_empty(device=device)
+    retie(module, shared)
+    if not initializing():
+        return
     uninitialised = []
     with torch.no_grad():
         for name, sub in module.named_modules():

@@ -16,7 +16,7 @@ from stratagem.trainer.module import Module, defines_loss, step_functions
 
 if TYPE_CHECKING:
     from stratagem.engine import Engine
-    from stratagem.registry._events import TrainerEventHooks
+    from stratagem.registry._event_hooks import TrainerEventHooks
     from stratagem.trainer._metrics import MetricStore
     from stratagem.trainer._options import TrainerOptions
     from stratagem.trainer._recovery import Recovery

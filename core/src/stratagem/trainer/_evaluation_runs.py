@@ -95,7 +95,7 @@ class EvaluationRuns:
         self, method: str, step: str, model: Module | None, dataloaders: Any, ckpt_path: Any
     ) -> Any:
         """Checks (before anything launches), the launch, the model set up, its weights from ``ckpt_path``."""
-        model = model if model is not None else self.module
+        model = self._plain_module(model) if model is not None else self.module
         if model is None:
             raise ConfigurationError(f"{method}() needs a model: trainer.{method}(model, dataloaders).")
         if dataloaders is None:
@@ -112,7 +112,8 @@ class EvaluationRuns:
         self._check_evaluation_ckpt(method, ckpt_path)
         if self.engine.needs_launch:
             self._launch()
-        self._setup(model, with_optimizers=False)
+        # Hugging Face weights (init_weights) only where no checkpoint is named to evaluate.
+        self._setup(model, with_optimizers=False, init_weights=None if ckpt_path else self._init_weights)
         path = self._evaluation_ckpt(method, ckpt_path)
         if path is not None:
             assert self.model is not None
@@ -206,9 +207,11 @@ class EvaluationRuns:
 
     if TYPE_CHECKING:  # the Trainer's and its other mixins'
         checkpoint_dir: Any
+        _init_weights: Any
 
         def _launch(self) -> None: ...
-        def _setup(self, model: Module, *, with_optimizers: bool) -> None: ...
+        def _plain_module(self, model: Any) -> Any: ...
+        def _setup(self, model: Module, *, with_optimizers: bool, init_weights: Any = None) -> None: ...
         def _prepare_loader(self, loader: Any) -> Any: ...
         def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None: ...
         def _run_validation(self, loader: Any, epoch: int | None = None) -> dict[str, float]: ...

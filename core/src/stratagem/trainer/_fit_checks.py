@@ -12,7 +12,7 @@ import torch
 from stratagem.checkpoint import _atomic, _store
 from stratagem.errors import CheckpointError, ConfigurationError
 from stratagem.launchers import _rerun
-from stratagem.trainer._optimizers import parse_optimizers
+from stratagem.trainer._configured_optimizers import parse_optimizers
 from stratagem.trainer.module import Module, defines_loss
 
 

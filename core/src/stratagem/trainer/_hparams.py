@@ -143,7 +143,7 @@ def build(cls: type, path: str | os.PathLike[str], overrides: dict[str, Any]) ->
 def load_weights(module: torch.nn.Module, weights: dict[str, Any], path: Any) -> None:
     """Fill ``module`` with whole tensors; parameters still on the meta device (``init_module(empty_init=True)``)
     take the loaded tensors in their own dtype."""
-    from stratagem.checkpoint._layout import describe_mismatch, mismatch_message
+    from stratagem.checkpoint._state_layout import describe_mismatch, mismatch_message
 
     expected = {name: tuple(value.shape) for name, value in module.state_dict().items()}
     missing, unexpected, mismatched = describe_mismatch(

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stratagem.trainer import _events as _callbacks
+from stratagem.trainer import _callbacks_and_loggers
 from stratagem.trainer._model_calls import batch_for, loss_of
 from stratagem.trainer._progress import ProgressBar
 from stratagem.trainer._resume import Epoch, Position, loader_length, start_epoch
@@ -17,11 +17,11 @@ from stratagem.trainer.module import step_functions
 
 if TYPE_CHECKING:
     from stratagem.engine import Engine
-    from stratagem.registry._events import TrainerEventHooks
+    from stratagem.registry._event_hooks import TrainerEventHooks
+    from stratagem.trainer._configured_optimizers import Scheduler
     from stratagem.trainer._metrics import MetricStore
-    from stratagem.trainer._optimizers import Scheduler
     from stratagem.trainer._options import TrainerOptions
-    from stratagem.trainer._preemption import Preemption
+    from stratagem.trainer._preemption_stop import Preemption
     from stratagem.trainer._recovery import Recovery
 
 
@@ -71,7 +71,9 @@ class TrainingLoop:
         try:
             events.call("on_fit_start", trainer=self)
             if self.engine.is_global_zero:
-                events.call("log_hyperparams", trainer=self, params=_callbacks.hyperparameters(self))
+                events.call(
+                    "log_hyperparams", trainer=self, params=_callbacks_and_loggers.hyperparameters(self)
+                )
             self._logging = True
             self._epochs(loader, val_loader, max_epochs)
             if self._train_metrics:

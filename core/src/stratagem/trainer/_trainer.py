@@ -4,7 +4,6 @@ callbacks and loggers it was given (see the Trainer events in :mod:`stratagem.ho
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 from pathlib import Path
@@ -15,30 +14,30 @@ import torch
 from stratagem.engine import DEFAULT_TIMEOUT_S, Engine
 from stratagem.errors import ConfigurationError
 from stratagem.launchers import _restarts
-from stratagem.launchers import _spawn as launcher
 from stratagem.launchers._watchdog import collective_timeout
-from stratagem.registry._events import TrainerEventHooks
-from stratagem.trainer import _events as _callbacks
-from stratagem.trainer import _fit_checks
+from stratagem.registry._event_hooks import TrainerEventHooks
+from stratagem.trainer import _callbacks_and_loggers, _fit_checks
 from stratagem.trainer._batch_rule import loader_batch_size
-from stratagem.trainer._checkpoints import CheckpointingMixin
+from stratagem.trainer._checkpointing import CheckpointingMixin
+from stratagem.trainer._compiled import CompiledModels
+from stratagem.trainer._configured_optimizers import Scheduler
 from stratagem.trainer._evaluation import Evaluation
 from stratagem.trainer._evaluation_runs import EvaluationRuns
 from stratagem.trainer._loop import TrainingLoop
 from stratagem.trainer._metrics import MetricStore
 from stratagem.trainer._model_calls import redirected_forward
-from stratagem.trainer._optimizers import Scheduler
 from stratagem.trainer._options import TrainerOptions
-from stratagem.trainer._preemption import Preemption, PreemptionOptions
+from stratagem.trainer._preemption_stop import Preemption, PreemptionOptions
 from stratagem.trainer._progress import ProgressBar
 from stratagem.trainer._recovery import Recovery
 from stratagem.trainer._resume import Position
+from stratagem.trainer._teardown import _register_teardown
 from stratagem.trainer.module import Module
 
 __all__ = ["Trainer", "TrainerOptions"]
 
 
-class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
+class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, CompiledModels):
     """Fit a :class:`~stratagem.Module` under a strategy chosen by name.
 
     :param strategy: a registered name, ``"auto"`` or a ``Strategy`` instance (see :class:`~stratagem.Engine`).
@@ -92,7 +91,12 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
     :param compile: ``True`` or a dict of ``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``regional``:
         ``torch.compile`` the model in the framework's place (after tensor parallelism and activation
         checkpointing, before data-parallel wrapping; each repeated block once by default). Checked here, before
-        anything launches. See :meth:`stratagem.Engine.setup`.
+        anything launches. See :meth:`stratagem.Engine.setup`. A ``torch.compile``'d model is unwrapped and compiled
+        so, with the options torch.compile was given unless ``compile=`` is set (``False``: not compiled).
+    :param init_weights: Hugging Face weights to start from: a model folder, a ``.safetensors`` file or its index,
+        local or at a URL, or a :class:`~stratagem.checkpoint.hf.HFWeights` (adapter, strict). ``configure_model``
+        then builds on the meta device and each rank reads only its parts; a mismatch is refused before training;
+        a checkpoint ``fit`` resumes from takes precedence (docs/hugging-face.md).
     """
 
     def __init__(
@@ -131,6 +135,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         preemption_grace_s: float = 30.0,
         slurm_requeue: bool | None = None,
         compile: Any = None,
+        init_weights: Any = None,
     ) -> None:
         self.options = TrainerOptions(
             max_steps=max_steps,
@@ -170,7 +175,8 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         )
         # Checked before anything launches; the workers get the checked options (False: none, whatever the
         # environment says).
-        self._compile = self.engine.resolve_compile(compile) or False
+        self._compile, self._compile_off = self.engine.resolve_compile(compile) or False, compile is False
+        self._init_weights = self._checked_init_weights(init_weights)
         launcher_restarts = _restarts.max_restarts()
         if launcher_restarts and not max_restarts:
             # Restarts asked of the launcher (`stratagem run --max-restarts`, `torchrun --max-restarts`).
@@ -204,9 +210,9 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         self._bar: ProgressBar | None = None
         self._last_saved_step: int | None = None
         # Names are resolved here, before anything launches: an unknown name or a missing extra fails now.
-        self.callbacks = _callbacks.resolve(callbacks, "callback")
-        self.loggers = _callbacks.resolve(loggers, "logger")
-        self._events = TrainerEventHooks(_callbacks.named(self.callbacks + self.loggers))
+        self.callbacks = _callbacks_and_loggers.resolve(callbacks, "callback")
+        self.loggers = _callbacks_and_loggers.resolve(loggers, "logger")
+        self._events = TrainerEventHooks(_callbacks_and_loggers.named(self.callbacks + self.loggers))
         #: Set it (on any rank) to end ``fit``: the ranks agree after each validation, at each logging step
         #: and at the end of each epoch, and stop at the same step.
         self.should_stop = False
@@ -270,6 +276,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         def strategy_optimizer() -> bool:
             return _fit_checks.provides_optimizer(self.engine.strategy)
 
+        model = self._plain_module(model)
         _fit_checks.check_model(model, for_fit=True, strategy_optimizer=strategy_optimizer)
         _fit_checks.check_step(model, self._strategy_if_made())
         _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
@@ -279,13 +286,13 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         if self.engine.needs_launch:
             _fit_checks.check_optimizers_before_launch(model, strategy_optimizer)
             self._launch()
-        self._setup(model, with_optimizers=True)
+        resume_from, init_weights = self._start_from(ckpt_path)
+        self._setup(model, with_optimizers=True, init_weights=init_weights)
         self._batch_size = loader_batch_size(train_dataloaders)
         if self._batch_size is not None:
             self.engine.check_batch_size(self._batch_size)
         train_loader = self._prepare_loader(train_dataloaders)
         val_loader = None if val_dataloaders is None else self._prepare_loader(val_dataloaders)
-        resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
         if resume_from is not None:
             self._load_for_resume(resume_from, train_loader)
         report = self._recovery.resumed(self.position.step, self._preemption.resumed)
@@ -322,7 +329,7 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
         self.engine.supervise(**self._preemption.job_fields())
 
     # set-up ----------------------------------------------------------------------------------------
-    def _setup(self, model: Module, *, with_optimizers: bool) -> None:
+    def _setup(self, model: Module, *, with_optimizers: bool, init_weights: Any = None) -> None:
         engine = self.engine
         if self.module is not None and model is not self.module:
             raise ConfigurationError("This Trainer already trains another model; make one Trainer per model.")
@@ -335,22 +342,23 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
             model.__dict__["_stratagem_trainer"] = self
             self.module = model
             if not model.__dict__.get("_stratagem_configured", False):
-                with engine.init_module(empty_init=False):
+                with engine.init_module(empty_init=init_weights is not None):
                     model.configure_model()
                 model.__dict__["_stratagem_configured"] = True
         elif self.options.seed is not None and with_optimizers:
             engine.seed_everything(self.options.seed)
+        wrap = {"compile": self._compile, "init_weights": init_weights}
         if with_optimizers and not self.optimizers:
             optimizers, self.lr_schedulers = _fit_checks.configured_optimizers(model, engine.strategy)
             if first and optimizers:
-                self.model, *self.optimizers = engine.setup(model, *optimizers, compile=self._compile)
+                self.model, *self.optimizers = engine.setup(model, *optimizers, **wrap)
             else:
                 if first:  # no optimizer of the module's: the strategy's configuration defines it
-                    self.model = engine.setup_module(model, compile=self._compile)
+                    self.model = engine.setup_module(model, **wrap)
                 # Set up by validate() before: optimizers over the wrapped model's parameters.
                 self.optimizers = engine.setup_optimizers(self.model, *optimizers)
         elif first:
-            self.model = engine.setup_module(model, compile=self._compile)
+            self.model = engine.setup_module(model, **wrap)
 
     def _prepare_loader(self, loader: Any) -> Any:
         return self.engine.setup_dataloaders(
@@ -361,38 +369,8 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin):
 
     def _call(self, method: str, *args: Any) -> Any:
         # Always through the wrapped model's __call__, also when the strategy wrapped in place (FSDP2, tensor
-        # parallel): their forward hooks gather the root's parameters, and calling the step on the module
-        # directly would skip them.
+        # parallel): their forward hooks gather the root's parameters, which calling the step directly skips.
         model, module = self.model, self.module
         assert model is not None and module is not None
         with redirected_forward(module, method):
             return model(*args)
-
-
-# -------------------------------------------------------------------------------------------------
-# helpers
-# -------------------------------------------------------------------------------------------------
-
-
-_TEARDOWN_REGISTERED: set[int] = set()
-
-
-def _register_teardown(engine: Engine) -> None:
-    """Leave the process group when the script ends normally (the Trainer may be used after ``fit``).
-
-    Not after an uncaught exception: the barrier of the teardown would wait for peers that the launcher is
-    stopping anyway.
-    """
-    if id(engine) in _TEARDOWN_REGISTERED:
-        return
-    _TEARDOWN_REGISTERED.add(id(engine))
-    launcher.watch_uncaught()
-
-    def teardown() -> None:
-        if launcher.uncaught_exception():
-            return
-        # A peer that failed makes the barrier fail here too; the launcher reports that peer's error.
-        with contextlib.suppress(Exception):
-            engine.teardown()
-
-    atexit.register(teardown)

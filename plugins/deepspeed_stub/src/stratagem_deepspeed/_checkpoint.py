@@ -74,6 +74,13 @@ def _engines(state_parts: Any) -> dict[str, tuple[Any, str | None]]:
 
 
 def save_sharded(strategy: Any, path: str | Path, state: dict[str, Any]) -> None:
+    if "://" in str(path) and not str(path).startswith("file://"):
+        # Path("s3://b/x") is the local directory "s3:/b/x": refuse rather than write beside the script.
+        raise CheckpointError(
+            path,
+            "DeepSpeed's own sharded layout is written to local disks only; save format='full' to an object "
+            "store, or save sharded locally.",
+        )
     target = Path(path)
     parts = classify(state)
     tmp = Path(strategy.broadcast(str(layouts.temporary_sibling(target)), 0))

@@ -59,3 +59,15 @@ _NAMES = (
 def register_strategies(register: Callable[..., None]) -> None:
     for name, description, preset in _NAMES:
         register(name, _FACTORY, description=description, capabilities=_capabilities(), **preset)
+
+
+@hookimpl
+def register_install_hints(register: Callable[..., None]) -> None:
+    # The other packages of stratagem's plugin family: a user who names one of their strategies or launchers is
+    # told what to install (the core names no plugin package). tests/test_install_hints.py keeps this current.
+    register("stratagem-ddp", strategies=["ddp", "ddp_find_unused_parameters_true"])
+    register("stratagem-fsdp", strategies=["fsdp", "fsdp_cpu_offload", "hsdp"])
+    register("stratagem-tp", strategies=["tp", "fsdp_tp"])
+    register("stratagem-pp", strategies=["pp", "pp_fsdp", "pp_fsdp_tp"])
+    register("stratagem-ray", launchers=["ray"])
+    register("stratagem-slurm", launchers=["slurm"])

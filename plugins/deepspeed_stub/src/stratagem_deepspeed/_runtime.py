@@ -10,6 +10,7 @@ import contextlib
 import logging
 import math
 import os
+import warnings
 from typing import Any
 
 from stratagem.errors import ConfigurationError
@@ -39,6 +40,15 @@ def import_deepspeed(accelerator: str, logging_level: int) -> Any:
             f"run's accelerator is {accelerator!r}. Unset DS_ACCELERATOR or set it to {wanted!r}."
         )
     logging.getLogger("DeepSpeed").setLevel(logging_level)
+    # ZeRO's partitioned parameters and gradients move through torch.distributed.all_gather_into_tensor and
+    # reduce_scatter_tensor, which torch deprecates in favour of *_single under the same semantics: DeepSpeed's
+    # calls, not the user's, so the FutureWarning (once per rank) tells them nothing they can change.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
+        module=r"torch\.distributed\.c10d_logger",
+    )
     if wanted == "cpu" and "LOCAL_SIZE" not in os.environ:
         # Every DeepSpeed communication backend otherwise compiles (about 30 s the first time) and maps a
         # shared-memory all-reduce that this launcher never uses.

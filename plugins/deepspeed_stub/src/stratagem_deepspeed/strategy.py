@@ -268,6 +268,12 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
             return _checkpoint.load_sharded(self, path, state, strict)
         return Strategy.load_checkpoint(self, path, state, strict)
 
+    @hookimpl
+    def weight_shards(self, model: torch.nn.Module, purpose: str) -> list[Any]:
+        from stratagem_deepspeed import _hf
+
+        return _hf.weight_shards(model, purpose)
+
     # Whole state on every rank for either format: DeepSpeed's partitions are not DTensors, so a sharded
     # stratagem checkpoint of another strategy loads here through whole tensors (DCP reads each rank's copy).
     def module_state_dict(self, module: torch.nn.Module, *, full: bool) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import ConfigurationError
+from stratagem.strategies.wrapping import initializing
 from stratagem_fsdp import _init
 from stratagem_pp._stage import Skipped, ancestors
 
@@ -56,6 +57,8 @@ def materialize(
         module.to_empty(device=device, recurse=False)
     missing = []
     with torch.no_grad(), _init.using_random_state(state, device):
+        # Under init_weights the values come from a checkpoint next: allocate only, draw nothing.
+        order = order if initializing() else []
         for name, original in order:
             if not callable(getattr(original, "reset_parameters", None)):
                 missing.append(name or type(original).__name__)

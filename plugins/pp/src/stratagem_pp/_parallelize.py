@@ -61,10 +61,10 @@ def compile_regions(model: torch.nn.Module, compiler: Compiler) -> list[str] | N
     whole). Chosen on the whole model because a stage may hold a single block, which alone does not repeat."""
     if not compiler.enabled:
         return []
-    from stratagem.strategies import _regions
+    from stratagem.strategies import region_names
 
     assert compiler.options is not None
-    found = [name for name, _ in _regions.find_regions(model, compiler.options.regional)]
+    found = region_names(model, compiler.options)
     return None if "" in found else found
 
 

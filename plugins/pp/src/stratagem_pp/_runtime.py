@@ -45,21 +45,29 @@ class Pipeline:
         stage_ranks: dict[int, int],
         replica_group: Any = None,
     ) -> None:
-        self.split, self.schedule_name, self.local = split, schedule, local
+        self.split, self.schedule_name, self.local, self.views = split, schedule, local, views
         self.replica_group = replica_group
         self.microbatches, self.group, self.device = microbatches, group, device
         num_stages = split.num_stages
-        stage_class = _stage_class()
-        self.stages = [
-            stage_class(view, index, num_stages, device, group=group) for index, view in zip(local, views)
-        ]
         self.has_first = 0 in local
         self.has_last = num_stages - 1 in local
         # The global rank holding the last stage, in this rank's pipeline group.
         self.last_rank = dist.get_global_rank(group, stage_ranks[num_stages - 1])
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._scale = 1.0
-        self.schedule = _schedules.build(schedule, self.stages, microbatches, self._schedule_loss)
+        self._shapes: tuple[Any, ...] | None = None
+        self._build()
+
+    def _build(self) -> None:
+        stage_class = _stage_class()
+        num_stages = self.split.num_stages
+        self.stages = [
+            stage_class(view, index, num_stages, self.device, group=self.group)
+            for index, view in zip(self.local, self.views)
+        ]
+        self.schedule = _schedules.build(
+            self.schedule_name, self.stages, self.microbatches, self._schedule_loss
+        )
 
     def _schedule_loss(self, output: Any, target: Any) -> torch.Tensor:
         if self._loss_fn is None:
@@ -74,7 +82,7 @@ class Pipeline:
             )
         return loss * (self._scale / self.microbatches)
 
-    def _begin(self, inputs: tuple[Any, ...], loss_fn: Any, scale: float) -> int:
+    def _begin(self, inputs: tuple[Any, ...], loss_fn: Any, scale: float, training: bool = False) -> int:
         if not isinstance(inputs, tuple):
             raise ConfigurationError(
                 f"inputs must be a tuple of the model's positional arguments; got {type(inputs)}"
@@ -83,8 +91,46 @@ class Pipeline:
         if not isinstance(first, torch.Tensor):
             raise ConfigurationError("the first input must be a tensor whose first dimension is the batch.")
         _config.check_batch(self.microbatches, first.shape[0])
+        self._follow_shapes(inputs, training)
         self._loss_fn, self._scale = loss_fn, scale
         return first.shape[0]
+
+    def _follow_shapes(self, inputs: tuple[Any, ...], training: bool) -> None:
+        """torch's stages learn the micro-batches' shapes on their first step and keep receive buffers of those
+        shapes: a batch of other shapes (a dataset's shorter last batch, another sequence length) would be
+        received into them, its outputs cut or padded with stale values. On new shapes the stages and the
+        schedule are made again, and learn them on their next step (one micro-batch's forward, and backward in
+        training, run ahead)."""
+        shapes = tuple((tuple(t.shape), t.dtype) for t in inputs if isinstance(t, torch.Tensor))
+        changed = self._shapes is not None and shapes != self._shapes
+        if self.replica_group is not None:
+            # The stages of one pipeline see the same inputs, other replicas other ones; every replica learns
+            # again or none does, since learning runs a forward that gathers FSDP's shards over the replicas.
+            flag = torch.tensor([int(changed)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group)
+            changed = bool(flag.item())
+        if changed and training and self._sharded_gradients_held():
+            raise ConfigurationError(
+                f"a training batch of shapes {[s for s, _ in shapes]} came after batches of shapes "
+                f"{[s for s, _ in self._shapes or ()]} while gradients were being accumulated: the pipeline "
+                "learns new shapes by running one micro-batch ahead, which under FSDP drops the gradients "
+                "accumulated so far. Give every batch of an accumulation window the same shapes (a DataLoader "
+                "with drop_last=True leaves out a shorter last batch)."
+            )
+        self._shapes = shapes
+        if changed:
+            self._build()
+
+    def _sharded_gradients_held(self) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        return any(
+            p.grad is not None
+            for stage in self.stages
+            for module in stage.submod.modules()
+            if isinstance(module, FSDPModule)
+            for p in module.parameters()
+        )
 
     def train_step(
         self,
@@ -95,7 +141,7 @@ class Pipeline:
     ) -> StepResult:
         """Forward and backward of every micro-batch; gradients accumulate in the stages' parameters (those
         of ``scale`` times the batch's mean loss)."""
-        self._begin(inputs, loss_fn, scale)
+        self._begin(inputs, loss_fn, scale, training=True)
         losses: list[torch.Tensor] = []
         try:
             with self._split_backward_config():
@@ -154,13 +200,18 @@ class Pipeline:
         """Forward only, for ``Trainer.predict``: the last stage's outputs on every rank of the pipeline (on
         CPU), so that the first rank of each data-parallel replica, a first stage, returns them as other
         strategies do. A batch of inputs alone (a tensor, or a one-item list from a ``TensorDataset``) needs no
-        split."""
+        split. A batch that the micro-batches do not divide (a dataset's last) is predicted with its last sample
+        repeated up to a multiple of them, the copies' outputs left out."""
         if isinstance(batch, torch.Tensor) or (isinstance(batch, (tuple, list)) and len(batch) == 1):
             inputs = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
         else:
             inputs = as_inputs(split_batch(batch)[0])
+        rows = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else 0
+        short = -rows % self.microbatches
+        if short:
+            inputs = tuple(_map(x, lambda t: _repeat_last(t, rows, short)) for x in inputs)
         outputs = self.eval_step(inputs).outputs
-        box = [_to_cpu(outputs) if self.has_last else None]
+        box = [_map(outputs, lambda t: _first_rows(t.detach().cpu(), rows, short)) if self.has_last else None]
         dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
         return box[0]
 
@@ -168,12 +219,28 @@ class Pipeline:
         self.stages, self.schedule = [], None
 
 
-def _to_cpu(value: Any) -> Any:
+def _map(value: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``function`` applied to each tensor of ``value`` (tuples, lists and dicts of them)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return function(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(_to_cpu(v) for v in value)
+        items = [_map(v, function) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _map(v, function) for key, v in value.items()}
     return value
+
+
+def _repeat_last(tensor: torch.Tensor, rows: int, extra: int) -> torch.Tensor:
+    if tensor.dim() == 0 or tensor.shape[0] != rows:
+        return tensor
+    return torch.cat([tensor, tensor[-1:].expand(extra, *tensor.shape[1:])])
+
+
+def _first_rows(tensor: torch.Tensor, rows: int, extra: int) -> torch.Tensor:
+    if not extra or tensor.dim() == 0 or tensor.shape[0] != rows + extra:
+        return tensor
+    return tensor[:rows]
 
 
 def _stage_class() -> type:

@@ -72,6 +72,13 @@ def resources_text() -> str:
     )
 
 
+def available_text(bundle: dict[str, float]) -> str:
+    """The cluster's free amounts of the resources ``bundle`` asks for."""
+    import ray
+
+    return _amounts(ray.available_resources(), [k for k, v in bundle.items() if v > 0]) or "nothing"
+
+
 def check_resources(world: int, per_worker: dict[str, float]) -> None:
     import ray
 
@@ -83,6 +90,55 @@ def check_resources(world: int, per_worker: dict[str, float]) -> None:
                 f"{world} worker(s) with {each:g} {key} each need {need:g} {key}; the Ray cluster has "
                 f"{resources_text()}. Ask for fewer devices, or give the cluster more."
             )
+
+
+def _amounts(resources: dict[str, float], keys: list[str]) -> str:
+    return ", ".join(f"{resources.get(key, 0.0):g} {key}" for key in keys)
+
+
+def _largest(nodes: list[dict[str, float]], asked: dict[str, float]) -> dict[str, float]:
+    """The node nearest to holding ``asked``: the largest share of it in its scarcest resource."""
+    return max(
+        nodes, key=lambda node: (min(node.get(k, 0.0) / v for k, v in asked.items()), sum(node.values()))
+    )
+
+
+def alive_nodes() -> list[dict[str, float]]:
+    """Each alive node's total resources."""
+    import ray
+
+    return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+
+
+def placement_text(bundle: dict[str, float], count: int, per_node: int) -> str:
+    """A placement group of ``count`` bundles of ``per_node`` workers each, in words."""
+    asked = {k: v for k, v in bundle.items() if v > 0}
+    where = "one Ray node" if count == 1 else f"each of {count} Ray nodes"
+    return f"{per_node} worker(s) with {_amounts(asked, list(asked))} in all on {where}"
+
+
+def check_placement(bundle: dict[str, float], count: int, per_node: int) -> None:
+    """Refuse at once a placement that no alive nodes can hold, however long it waited: ``count`` bundles
+    (each a node's ``per_node`` workers) on as many distinct nodes. Ray keeps such a group pending, and the
+    cluster-wide totals (:func:`check_resources`) do not show that no node is large enough."""
+    asked = {k: v for k, v in bundle.items() if v > 0}
+    nodes = alive_nodes()
+    holding = [node for node in nodes if all(node.get(k, 0.0) >= v for k, v in asked.items())]
+    if len(holding) >= count or not asked:
+        return
+    largest = _largest(nodes, asked) if nodes else {}
+    room = min(int(largest.get(k, 0.0) // (v / per_node)) for k, v in asked.items())
+    if len(holding) < 1:
+        advice = (
+            "Ask for fewer workers per node (spread them over nodes with num_nodes), or give a node more."
+        )
+    else:
+        advice = f"Ask for at most {len(holding)} node(s), or add nodes that large."
+    raise ConfigurationError(
+        f"Ray cannot place {placement_text(bundle, count, per_node)}: {len(holding)} of the cluster's "
+        f"{len(nodes)} alive node(s) can hold that, and the largest has {_amounts(largest, list(asked))} "
+        f"(room for {room} worker(s)). {advice}"
+    )
 
 
 def check_reachable(address: str) -> None:

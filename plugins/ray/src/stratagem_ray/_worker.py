@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 from typing import Any
+
+from stratagem.launchers import ERROR_FILE_ENV
 
 
 class _Worker:
@@ -17,10 +20,19 @@ class _Worker:
     def __repr__(self) -> str:
         return f"rank {self.rank}"
 
-    def where(self) -> tuple[str, str]:
+    def where(self, run: str) -> tuple[str, str, str]:
+        """Its Ray node, that node's address, and where on the node it records a failure that ends its
+        process at once (the hang watchdog's): the driver reads that file there if the process dies. The file
+        is in the Ray session's folder on the node, beside the worker's logs: a worker whose node was cut off
+        leaves it with them rather than in the node's temporary folder."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+        context = ray.get_runtime_context()
+        folder = os.path.join(context.get_temp_dir(), context.get_session_name())
+        if not os.path.isdir(folder):
+            folder = context.get_temp_dir()
+        error_file = os.path.join(folder, f"stratagem-rank{self.rank}-{run}.json")
+        return context.get_node_id(), ray.util.get_node_ip_address(), error_file
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -45,6 +57,9 @@ class _Worker:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            # A failure that reached here travels to the driver as an exception: the file is not needed.
+            with contextlib.suppress(OSError):
+                os.unlink(env.get(ERROR_FILE_ENV, ""))
 
 
 def _run_command(command: list[str]) -> None:

@@ -12,11 +12,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
-
-import attrs
+from typing import IO
 
 from stratagem.errors import WorkerFailedError
+from stratagem.launchers import WorkerExit, describe_failure
 from stratagem_slurm import _slurm
 from stratagem_slurm._batch import BATCH_OUTPUT, STATUS_FILE, attempt_dir
 from stratagem_slurm._task import error_file
@@ -92,18 +91,8 @@ class Follower:
         return int(status.read_text().strip() or 1)
 
 
-@attrs.frozen
-class _Failure:
-    """One task's end, in the form :func:`stratagem.launchers._failures.describe` reads (the elastic agent's)."""
-
-    exitcode: int
-    timestamp: float
-    error_file: str
-    error_file_data: dict[str, Any]
-    message: str = ""
-
-
-def _failures(directory: Path) -> dict[int, _Failure]:
+def _failures(directory: Path) -> dict[int, WorkerExit]:
+    """How each task that did not exit 0 ended, from the notes its ``_task`` wrote."""
     found = {}
     for path in directory.glob("exit-*.json"):
         rank = int(path.stem.split("-")[1])
@@ -111,8 +100,7 @@ def _failures(directory: Path) -> dict[int, _Failure]:
         if note["exitcode"] == 0:
             continue
         errors = error_file(directory, rank)
-        data = json.loads(errors.read_text()) if errors.is_file() else {}
-        found[rank] = _Failure(note["exitcode"], note["time"], str(errors), data)
+        found[rank] = WorkerExit(exitcode=note["exitcode"], timestamp=note["time"], error_file=str(errors))
     return found
 
 
@@ -125,13 +113,11 @@ def _tail(path: Path, lines: int = 20) -> str:
 def failure(job_id: str, job_dir: Path, attempts: int, status: int | None) -> WorkerFailedError:
     """The run's failure: the rank that failed first, with its traceback (or the end of its error output);
     else what SLURM says about the job."""
-    from stratagem.launchers._failures import describe
-
     directory = attempt_dir(job_dir, attempts - 1)
     found = _failures(directory)
     gave_up = f"\ngave up after {attempts - 1} restart(s)" if attempts > 1 else ""
     if found:
-        error = describe(found)
+        error = describe_failure(found)
         detail = error.detail
         if detail.startswith("no traceback recorded") and error.rank is not None:
             said = _tail(directory / f"rank-{error.rank}.err")

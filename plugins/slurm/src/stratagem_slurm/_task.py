@@ -50,7 +50,7 @@ def tasks_on_node(spec: str, node: int) -> int:
 
 
 def rank_environment(environ: dict[str, str], directory: Path) -> dict[str, str]:
-    from stratagem.launchers._spawn import task_threads
+    from stratagem.launchers import ERROR_FILE_ENV, worker_threads
 
     rank, node = int(environ["SLURM_PROCID"]), int(environ.get("SLURM_NODEID", "0"))
     spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1"
@@ -63,13 +63,13 @@ def rank_environment(environ: dict[str, str], directory: Path) -> dict[str, str]
         "GROUP_RANK": str(node),
         "NODE_RANK": str(node),
         "STRATAGEM_WORKER": "1",
-        "TORCHELASTIC_ERROR_FILE": str(error_file(directory, rank)),
+        ERROR_FILE_ENV: str(error_file(directory, rank)),
         # The launcher streams rank 0's output from its file while it runs: no block buffering.
         "PYTHONUNBUFFERED": "1",
     }
     if "OMP_NUM_THREADS" not in environ:
         # Threads as the elastic launcher gives a worker (the launcher left the login node's count out).
-        env["OMP_NUM_THREADS"] = str(task_threads(environ))
+        env["OMP_NUM_THREADS"] = str(worker_threads(environ))
     return env
 
 
@@ -89,7 +89,7 @@ def run_task(directory: Path, command: list[str]) -> int:
 
 
 def run_call(job_dir: Path) -> int:
-    from stratagem.launchers._spawn import record_exception
+    from stratagem.launchers import record_exception
 
     try:
         from multiprocessing import spawn

@@ -28,8 +28,7 @@ from typing import Any
 
 from stratagem.errors import ConfigurationError
 from stratagem.hookspecs import hookimpl
-from stratagem.launchers import LaunchJob
-from stratagem.launchers.base import Launcher
+from stratagem.launchers import Launcher, LaunchJob
 from stratagem_slurm import _batch, _follow, _slurm
 from stratagem_slurm._task import CALL_FILE, RESULT_FILE
 

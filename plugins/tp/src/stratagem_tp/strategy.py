@@ -50,6 +50,7 @@ class TPStrategy(TorchDistributedStrategy):
         plan: Any = None,
         parallelize: Any = None,
         tensor_parallel_size: int | None = None,
+        tp_size: int | None = None,
         state_dict_type: str = "sharded",
         activation_checkpointing_policy: Any = None,
         process_group_backend: str | None = None,
@@ -60,6 +61,14 @@ class TPStrategy(TorchDistributedStrategy):
             raise ConfigurationError(
                 f"{self._options_name}: give plan= or parallelize=, not both (parallelize is a callable plan)."
             )
+        if tp_size is not None:
+            # The mesh dimension's name, as other frameworks spell it: fsdp_tp[tp_size=2].
+            if tensor_parallel_size not in (None, tp_size):
+                raise ConfigurationError(
+                    f"{self._options_name}: tp_size={tp_size!r} and tensor_parallel_size={tensor_parallel_size!r} "
+                    "disagree; tp_size is another name for tensor_parallel_size: give one of them."
+                )
+            tensor_parallel_size = tp_size
         if not self.two_dimensional and fsdp_options:
             given = sorted(fsdp_options)
             known = [o for o in given if o in _config.FSDP_ONLY]
@@ -70,14 +79,14 @@ class TPStrategy(TorchDistributedStrategy):
                     if known
                     else "unknown options. "
                 )
-                + "Accepted: plan, parallelize, tensor_parallel_size, state_dict_type, "
+                + "Accepted: plan, parallelize, tensor_parallel_size (or tp_size), state_dict_type, "
                 "activation_checkpointing_policy, process_group_backend, timeout."
             )
         unknown = sorted(set(fsdp_options) - set(_config.FSDP_ONLY))
         if unknown:
             raise ConfigurationError(
-                f"FSDPTPStrategy got unknown options {unknown}. Accepted: plan, parallelize, tensor_parallel_size, "
-                f"state_dict_type, activation_checkpointing_policy, {', '.join(_config.FSDP_ONLY)}, "
+                f"FSDPTPStrategy got unknown options {unknown}. Accepted: plan, parallelize, tensor_parallel_size "
+                f"(or tp_size), state_dict_type, activation_checkpointing_policy, {', '.join(_config.FSDP_ONLY)}, "
                 "process_group_backend, timeout."
             )
         self.config = _config.TPConfig(

@@ -48,16 +48,16 @@ __all__ = [
 # Imported on first use: the command's module lives in this package, and `stratagem strategies` imports it.
 _LAZY = {
     "Column": "stratagem.cli.compare._columns",
-    "ColumnResult": "stratagem.cli.compare._run",
+    "ColumnResult": "stratagem.cli.compare._launches",
     "Job": "stratagem.cli.compare._columns",
     "MB": "stratagem.cli.compare._measuring",
     "SHORTHAND_OPTION": "stratagem.registry._labels",
-    "check_columns": "stratagem.cli.compare._run",
+    "check_columns": "stratagem.cli.compare._launches",
     "current_rss_bytes": "stratagem.cli.compare._measuring",
     "default_warmup": "stratagem.cli.compare._columns",
     "format_table": "stratagem.cli.compare._report",
     "gradient_bytes": "stratagem.cli.compare._measuring",
-    "load_model_factory": "stratagem.cli.compare._models",
+    "load_model_factory": "stratagem.cli.compare._model_choice",
     "local_bytes": "stratagem.cli.compare._measuring",
     "optimizer_bytes": "stratagem.cli.compare._measuring",
     "parameter_bytes": "stratagem.cli.compare._measuring",
@@ -65,10 +65,10 @@ _LAZY = {
     "peak_rss_bytes": "stratagem.cli.compare._measuring",
     "plot": "stratagem.cli.compare._report",
     "require_matplotlib": "stratagem.cli.compare._report",
-    "run": "stratagem.cli.compare._run",
+    "run": "stratagem.cli.compare._launches",
     "table_rows": "stratagem.cli.compare._report",
     "to_json": "stratagem.cli.compare._report",
-    "with_suppress": "stratagem.cli.compare._run",
+    "with_suppress": "stratagem.cli.compare._launches",
 }
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())

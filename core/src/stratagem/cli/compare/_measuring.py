@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from stratagem.cli.compare._columns import Column, Job
-from stratagem.cli.compare._models import _make_optimizer, _training_loss, load_model_factory
+from stratagem.cli.compare._model_choice import _make_optimizer, _training_loss, load_model_factory
 
 MB = 2**20
 

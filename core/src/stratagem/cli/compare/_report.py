@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from stratagem.cli.compare._launches import ColumnResult
 from stratagem.cli.compare._measuring import MB
-from stratagem.cli.compare._run import ColumnResult
 from stratagem.errors import ConfigurationError
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 import stratagem as sg
 from stratagem.cli.compare import gradient_bytes, optimizer_bytes, parameter_bytes
 from stratagem.cli.demo.model import CharLM, CharWindows, load_text, replica_bytes
-from stratagem.engine._optimizer import _clean_name
+from stratagem.engine._strategy_optimizer import _clean_name
 from stratagem.strategies.precision import param_dtype
 
 __all__ = ["CharLM", "CharWindows", "load_text", "run"]
@@ -118,7 +118,8 @@ def run(
     loader = DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True)
     first.print(
         f"stratagem demo: {len(text) // 1024} KB of text, {len(data.vocab)} characters; strategy "
-        f"{first.engine.strategy_name}, {first.engine.world_size_requested} process(es) on {first.engine.device.type}; "
+        f"{strategy if '[' in strategy else first.engine.strategy_name}, {first.engine.world_size_requested} "
+        f"process(es) on {first.engine.device.type}; "
         f"{steps} steps, checkpoint and resume at step {half}."
     )
     first.fit(model, loader)

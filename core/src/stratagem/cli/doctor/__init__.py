@@ -133,7 +133,7 @@ def _entry_row(kind: str, info: Any) -> Any:
         if not problems:
             problems = checks.check_contract_declarations(cls, info.capabilities)
     elif kind == "launcher":
-        from stratagem.launchers.base import Launcher
+        from stratagem.launchers.launcher import Launcher
 
         problems = checks.check_hook_class(cls, Launcher, "stratagem.launchers.Launcher", LAUNCHER_HOOKS)
     else:

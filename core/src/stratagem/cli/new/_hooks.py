@@ -17,10 +17,12 @@ from typing import Any
 
 from stratagem import hookspecs
 
-#: Where the generated code imports the types the specs name (public paths, for type checkers only).
+#: The public module the generated code imports each type the specs name from (for type checkers only).
 TYPE_IMPORTS = {
-    "ClusterEnvironment": "from stratagem.launchers.cluster import ClusterEnvironment",
-    "LaunchJob": "from stratagem.launchers import LaunchJob",
+    "ClusterEnvironment": "stratagem",
+    "Compiler": "stratagem.strategies",
+    "LaunchJob": "stratagem.launchers",
+    "StepOutput": "stratagem.strategies",
 }
 _WIDTH = 110
 
@@ -96,7 +98,11 @@ def type_imports(code: str) -> tuple[list[str], list[str]]:
     """``(typing names, import lines for TYPE_CHECKING)`` that the annotations in ``code`` need."""
     words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code))
     typing_names = sorted(n for n in ("Any", "ContextManager") if n in words)
-    lines = sorted(line for type_name, line in TYPE_IMPORTS.items() if type_name in words)
+    modules: dict[str, list[str]] = {}
+    for type_name, module in sorted(TYPE_IMPORTS.items()):
+        if type_name in words:
+            modules.setdefault(module, []).append(type_name)
+    lines = [f"from {module} import {', '.join(names)}" for module, names in sorted(modules.items())]
     return typing_names, lines
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from stratagem.cli.new import _hooks
-from stratagem.cli.new._plan import Base, check_name, render, resolve_base, template, values
+from stratagem.cli.new._render import Base, check_name, render, resolve_base, template, values
 
 
 def _hook_names(kind: str) -> list[str]:

@@ -56,7 +56,7 @@ def _plan(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from stratagem.cli.plan import _models, _render
+    from stratagem.cli.plan import _plan_models, _plan_output
     from stratagem.planning import World, parse_bytes, plan
     from stratagem.registry._labels import split_top_level
 
@@ -69,13 +69,13 @@ def _plan(args: argparse.Namespace) -> int:
         batch_size=args.batch,
         sequence_length=args.seq,
     )
-    workload = _models.workload(args.model, args.size)
+    workload = _plan_models.workload(args.model, args.size)
     strategies = None if args.strategies is None else split_top_level(args.strategies)
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     result = plan(workload, world, memory=memory, strategies=strategies, ranks=args.ranks, progress=progress)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
-        _render.print_plan(result)
+        _plan_output.print_plan(result)
     planned = [s for s in result.strategies if s.largest is not None]
     return 0 if planned else 2

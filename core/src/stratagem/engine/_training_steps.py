@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 
-from stratagem.engine._optimizer import _unwrap
+from stratagem.engine._strategy_optimizer import _unwrap
 from stratagem.errors import ConfigurationError
 from stratagem.strategies.step import StepOutput, as_inputs, given_split, scalar_loss
 

@@ -30,10 +30,10 @@ if TYPE_CHECKING:
     import torch
 
     from stratagem.engine import Engine
-    from stratagem.registry._events import TrainerEventHooks
-    from stratagem.trainer._optimizers import Scheduler
+    from stratagem.registry._event_hooks import TrainerEventHooks
+    from stratagem.trainer._configured_optimizers import Scheduler
     from stratagem.trainer._options import TrainerOptions
-    from stratagem.trainer._preemption import Preemption
+    from stratagem.trainer._preemption_stop import Preemption
     from stratagem.trainer._recovery import Recovery
     from stratagem.trainer.module import Module
 
@@ -54,6 +54,7 @@ class CheckpointingMixin:
     _epoch_rng: dict[str, Any] | None
     _resume: dict[str, Any] | None
     _last_saved_step: int | None
+    _init_weights: Any
     #: The train loader's per-process batch size (None: no fixed one), set by ``fit``.
     _batch_size: int | None = None
 
@@ -94,6 +95,9 @@ class CheckpointingMixin:
         if self.module.__dict__.get("_stratagem_hparams_saved"):
             # Module.save_hyperparameters(): what load_from_checkpoint builds the module from.
             state["hyperparameters"] = dict(self.module.hparams)
+        if "_stratagem_hf" in self.module.__dict__:
+            # Where init_weights came from and how names map: what `stratagem checkpoint export` reads.
+            state["hf"] = dict(self.module.__dict__["_stratagem_hf"])
         if "on_save_checkpoint" in self._events.implemented:
             state["callbacks"] = PerRank(self._events.collect_states(self, str(path)))
         preempted = self._preemption.record(self.position.step)
@@ -127,6 +131,25 @@ class CheckpointingMixin:
         on with the same samples."""
         replicas = self.engine.data_parallel_size
         return Consumption(self._batch_size, replicas, self.options.accumulate_grad_batches)
+
+    @staticmethod
+    def _checked_init_weights(init_weights: Any) -> Any:
+        """``Trainer(init_weights=...)`` as ``HFWeights``; a local path that does not exist fails here, before
+        anything launches."""
+        from stratagem.checkpoint._hf_match import checked_request
+
+        return None if init_weights is None else checked_request(init_weights)
+
+    def _start_from(self, ckpt_path: Any) -> tuple[Path | str | None, Any]:
+        """``(checkpoint to resume from, Hugging Face weights to load)``: never both, the checkpoint winning."""
+        self.engine.setup_environment()
+        resume_from = self._resolve_ckpt_path(self._recovery.ckpt_path(ckpt_path))
+        if resume_from is None or self._init_weights is None:
+            return resume_from, self._init_weights
+        from stratagem.checkpoint._hf_load import FROM_CHECKPOINT
+
+        self.print(f"init_weights is not read: resuming from {resume_from}, whose weights take precedence.")
+        return resume_from, FROM_CHECKPOINT
 
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None:
         if ckpt_path is None:
@@ -186,6 +209,8 @@ class CheckpointingMixin:
         if message is not None:
             self.print(message)
         assert self.module is not None
+        if isinstance(rest.get("hf"), dict):  # the Hugging Face folder the run started from, for its exports
+            self.module.__dict__["_stratagem_hf"] = dict(rest["hf"])
         self.module.on_load_checkpoint(dict(rest.get("extras") or {}))
         if isinstance(rest.get("callbacks"), dict):
             self._events.restore_states(self, str(path), rest["callbacks"])

@@ -96,7 +96,7 @@ class ReportWriter:
             record.update(outcome="failed", reason=message[-_REASON_LIMIT:])
             record.pop("declaration", None)
         elif report.skipped and record["outcome"] != "failed":
-            from stratagem.contract._checks import skipped_declaration
+            from stratagem.contract._comparisons import skipped_declaration
 
             reason = _skip_reason(report)
             found = skipped_declaration(reason)

@@ -14,20 +14,22 @@ Either way, a worker that raises or dies stops the others at once; the caller ge
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
 import sys
-import time
-import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from stratagem.checkpoint import _scratch
 from stratagem.errors import ConfigurationError, WorkerFailedError
-from stratagem.launchers._failures import FAILURE_SUFFIX, describe, lost_peer
+from stratagem.launchers._failure_records import (
+    ERROR_FILE_ENV,
+    _note_failure_time,
+    describe_failure,
+    record_exception,
+)
 
 #: Set in every worker stratagem starts, so that nothing in it launches again.
 WORKER_ENV = "STRATAGEM_WORKER"
@@ -73,9 +75,13 @@ def worker_environment(
     return env
 
 
-def task_threads(environ: Mapping[str, str] | None = None) -> int:
-    """Compute threads for one task that SLURM started: the CPUs SLURM gave it (``SLURM_CPUS_PER_TASK``), else
-    what the elastic launcher gives each worker when the step's tasks on this node are its workers."""
+def worker_threads(environ: Mapping[str, str] | None = None) -> int:
+    """Compute threads (``OMP_NUM_THREADS``) for a worker that a scheduler started as a task of its own, one
+    worker per task: the CPUs the task was given (``SLURM_CPUS_PER_TASK``), else this node's cores shared
+    evenly by the tasks on it, as the elastic launcher shares them among its workers.
+
+    :param environ: the task's environment (default: this process's).
+    """
     env = os.environ if environ is None else environ
     given = env.get("SLURM_CPUS_PER_TASK", "")
     if given.isdigit() and int(given) > 0:
@@ -90,7 +96,7 @@ def set_task_threads(accelerator: str) -> None:
     train.py`` with ``devices=2`` computes (torch's default, one thread per core, changes how sums round)."""
     if accelerator != "cpu" or "OMP_NUM_THREADS" in os.environ:
         return
-    threads = task_threads()
+    threads = worker_threads()
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes this task starts (loader workers)
     import torch
 
@@ -175,21 +181,21 @@ def _run(
 ) -> dict[int, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from stratagem.launchers import _agent
+    from stratagem.launchers import _elastic_agent
 
     check_max_restarts(max_restarts)
     rendezvous = _rendezvous(nnodes, node_rank, rdzv_endpoint, run_id, rdzv_configs)
     # The agent's folder: removed when the run ends however it ends (after the failure records are read, below);
     # named so that the next launch removes it if this process is killed.
     with _scratch.folder("agent") as scratch:
-        restart_log = scratch / _agent.RESTART_LOG
+        restart_log = scratch / _elastic_agent.RESTART_LOG
         restart_log.touch()
         # The workers share the agent's store, which outlives a restart with the failed attempt's keys; the
         # strategies keep each attempt's keys apart (ClusterEnvironment.restart_count).
-        agent_env = {**env, _agent.RESTART_LOG_ENV: str(restart_log)}
+        agent_env = {**env, _elastic_agent.RESTART_LOG_ENV: str(restart_log)}
         with _environment(agent_env), _quiet_agent():
             try:
-                return _agent.run_agent(
+                return _elastic_agent.run_agent(
                     entrypoint=entrypoint,
                     args=list(args),
                     nproc_per_node=nproc_per_node,
@@ -198,7 +204,7 @@ def _run(
                     **rendezvous,
                 )
             except ChildFailedError as error:
-                failed = describe(error.failures)
+                failed = describe_failure(error.failures)
                 if max_restarts:
                     failed = WorkerFailedError(
                         failed.rank,
@@ -295,7 +301,8 @@ def supervise_script(
 
 
 def call_recording(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` in a spawned worker, noting the time of an exception for :func:`stratagem.launchers._failures.root_failure`."""
+    """Run ``fn`` in a spawned worker, noting the time of an exception for the launcher's report
+    (:func:`stratagem.launchers.describe_failure`)."""
     try:
         return fn(*args)
     except BaseException as error:
@@ -304,53 +311,13 @@ def call_recording(fn: Callable[..., Any], *args: Any) -> Any:
         raise
 
 
-#: A worker whose collective lost its peer waits this long before exiting, so that the peer's own failure (the
-#: cause) reaches the agent first; the agent stops this worker as soon as it does.
-LOST_PEER_GRACE_S = 3.0
-
-
-def _note_failure_time(error: BaseException | None = None) -> None:
-    text = "" if error is None else "".join(traceback.format_exception_only(type(error), error))
-    consequence = lost_peer(text)
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with contextlib.suppress(OSError):
-            with open(path + FAILURE_SUFFIX, "w") as file:
-                json.dump({"time": time.time(), "lost_peer": consequence}, file)
-    if consequence:
-        time.sleep(LOST_PEER_GRACE_S)
-
-
-def record_exception(kind: type[BaseException], value: BaseException, tb: Any) -> bool:
-    """Write the exception where the agent reads it (its error-file format); False if there is nowhere to."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return False
-    data = {
-        "message": {
-            "message": f"{kind.__name__}: {value}",
-            "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
-                "timestamp": str(int(time.time())),
-            },
-        }
-    }
-    try:
-        with open(path, "w") as file:
-            json.dump(data, file)
-    except OSError:
-        return False
-    _note_failure_time(value)
-    return True
-
-
 def install_worker_excepthook() -> None:
     """In a worker running a script, record an uncaught exception where the agent reads it.
 
     Under stratagem's own launcher the supervising process prints the failing rank's traceback once, so the
     worker does not print it too (the other ranks' follow-on errors would repeat it).
     """
-    if "TORCHELASTIC_ERROR_FILE" not in os.environ or getattr(sys.excepthook, "_stratagem", False):
+    if ERROR_FILE_ENV not in os.environ or getattr(sys.excepthook, "_stratagem", False):
         return
     previous = sys.excepthook
     supervised = os.environ.get(WORKER_ENV) == "1"

@@ -4,7 +4,7 @@ rank at the same step boundary, with a checkpoint of that step, and ends the run
 
 - While ``fit`` trains, each worker catches ``Trainer(preemption_signals=...)``: the handler only notes the
   signal and when it came. A launcher that gets one passes it on to its workers
-  (:mod:`stratagem.launchers._preemption`); a signal sent to one worker alone reaches the others through the
+  (:mod:`stratagem.launchers._preemption_signals`); a signal sent to one worker alone reaches the others through the
   agreement below.
 - At each step boundary (after the step's validation, where a periodic checkpoint is written) the ranks agree
   through one three-element all-reduce: whether any rank was signalled, the earliest time one was, and which
@@ -31,7 +31,7 @@ import attrs
 
 from stratagem.checkpoint import _store
 from stratagem.errors import PREEMPTED_EXIT_CODE, ConfigurationError, Preempted
-from stratagem.launchers import _preemption, cluster
+from stratagem.launchers import _preemption_signals, cluster
 from stratagem.trainer import _agreement
 from stratagem.trainer._run_dir import checkpoint_name
 
@@ -57,9 +57,11 @@ class PreemptionOptions:
     is made."""
 
     signals: tuple[str, ...] = attrs.field(
-        default=_preemption.DEFAULT_SIGNALS, converter=_preemption.signal_names
+        default=_preemption_signals.DEFAULT_SIGNALS, converter=_preemption_signals.signal_names
     )
-    grace_s: float = attrs.field(default=_preemption.DEFAULT_GRACE_S, converter=_preemption.check_grace)
+    grace_s: float = attrs.field(
+        default=_preemption_signals.DEFAULT_GRACE_S, converter=_preemption_signals.check_grace
+    )
     slurm_requeue: bool | None = attrs.field(default=None, converter=_requeue_mode)
 
 
@@ -172,7 +174,9 @@ class Preemption:
         )
         preempted = Preempted(message, signal=name, step=step, checkpoint=path)
         trainer._on_exception(preempted)  # loggers close their runs, on every rank
-        _preemption.write_note({**self.stopping, "step": step, "checkpoint": path, "rank": self.engine.rank})
+        _preemption_signals.write_note(
+            {**self.stopping, "step": step, "checkpoint": path, "rank": self.engine.rank}
+        )
         trainer.print(message)
         if took > grace:
             trainer.print(

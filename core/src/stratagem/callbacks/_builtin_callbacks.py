@@ -19,11 +19,16 @@ def register_callbacks(register: Callable[..., None]) -> None:
     )
     register(
         "learning_rate_monitor",
-        "stratagem.callbacks._monitors:LearningRateMonitor",
+        "stratagem.callbacks._run_metrics:LearningRateMonitor",
         description="log each optimizer's learning rate per parameter group",
     )
     register(
         "throughput",
-        "stratagem.callbacks._monitors:Throughput",
+        "stratagem.callbacks._run_metrics:Throughput",
         description="log samples per second across ranks",
+    )
+    register(
+        "hf_export",
+        "stratagem.callbacks._hf_export_callback:HFExport",
+        description="write the model as a Hugging Face folder at the end of fit (default_root_dir/hf/final)",
     )

@@ -6,7 +6,7 @@ down (rank, exit code or signal, the worker's recorded exception, time) as one J
 the file named by ``STRATAGEM_RESTART_LOG``, which the restarted workers read to report the restart and the
 work it cost.
 
-A preemption signal (:mod:`stratagem.launchers._preemption`) that reaches the agent goes on to the workers, which
+A preemption signal (:mod:`stratagem.launchers._preemption_signals`) that reaches the agent goes on to the workers, which
 get the grace period to save and stop, and workers that stopped for a preemption are not restarted: the run ends
 with :class:`~stratagem.errors.Preempted`. Everything else is the agent's own behaviour.
 """
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.errors import PREEMPTED_EXIT_CODE
-from stratagem.launchers import _preemption
-from stratagem.launchers._failures import describe
+from stratagem.launchers import _preemption_signals, _reachability, _rounds
+from stratagem.launchers._failure_records import describe_failure
 from stratagem.launchers._restarts import RESTART_COUNT_ENV, RESTART_LOG_ENV
 
 __all__ = ["RESTART_LOG", "RESTART_LOG_ENV", "run_agent"]
@@ -51,7 +51,7 @@ def _agent_class() -> type:
             restart_log: Path,
             worker_tmp: Path,
             preemption_signals: tuple[str, ...] = (),
-            grace_s: float = _preemption.DEFAULT_GRACE_S,
+            grace_s: float = _preemption_signals.DEFAULT_GRACE_S,
             **kwargs: Any,
         ) -> None:
             super().__init__(*args, **kwargs)
@@ -160,8 +160,10 @@ def _agent_class() -> type:
         def _note(self, worker_group: Any, result: Any) -> None:
             spec = worker_group.spec
             attempt = spec.max_restarts - self._remaining_restarts
-            root = describe(result.failures) if result.failures else None
+            root = describe_failure(result.failures) if result.failures else None
             why = "" if root is None else root.detail.strip().splitlines()[-1] if root.detail.strip() else ""
+            if root is not None and why.startswith(f"rank {root.rank} "):
+                why = why[len(f"rank {root.rank} ") :].rstrip(".")  # the watchdog's message names its rank
             entry = {
                 "attempt": attempt,
                 "time": time.time(),
@@ -238,7 +240,7 @@ def run_agent(
         local_world_size=nproc_per_node,
         entrypoint=entrypoint,
         args=tuple(args),
-        rdzv_handler=get_rendezvous_handler(parameters),
+        rdzv_handler=_rounds.publish_each_round(get_rendezvous_handler(parameters)),
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         master_addr=master_addr,
@@ -247,7 +249,7 @@ def run_agent(
     worker_tmp = scratch / "tmp"
     worker_tmp.mkdir(exist_ok=True)
     _freeze_at_exit()
-    signals, grace_s = _preemption.from_env()
+    signals, grace_s = _preemption_signals.from_env()
     agent = _agent_class()(
         spec=spec,
         # Without a log_dir the agent makes a folder of its own in the temporary directory and leaves it there.
@@ -259,11 +261,15 @@ def run_agent(
         preemption_signals=signals,
         grace_s=grace_s,
     )
+    # With several nodes, one cut off from the rendezvous ends rather than hangs in a store call.
+    guard = _reachability.guard(
+        max_nodes, parameters, lambda: _running_pids(agent._pcontext) if agent._pcontext else set(), scratch
+    )
     try:
-        with _signal_handlers_kept(signals), _agent_handles(signals):
+        with _signal_handlers_kept(signals), _agent_handles(signals), guard:
             result = agent.run()
         if result.is_failed() and agent.workers_preempted:
-            raise _preemption.report(None, None, _preemption.read_notes(scratch), grace_s)
+            raise _preemption_signals.report(None, None, _preemption_signals.read_notes(scratch), grace_s)
         if result.is_failed():
             name = (
                 entrypoint if isinstance(entrypoint, str) else getattr(entrypoint, "__qualname__", "worker")
@@ -272,8 +278,8 @@ def run_agent(
         return result.return_values
     except SignalException as error:
         if agent.preempted_by is not None:
-            notes = _preemption.read_notes(scratch)
-            raise _preemption.report(agent.preempted_by, agent.preempted_at, notes, grace_s) from None
+            notes = _preemption_signals.read_notes(scratch)
+            raise _preemption_signals.report(agent.preempted_by, agent.preempted_at, notes, grace_s) from None
         if error.sigval != signal.SIGINT:
             raise
         # Ctrl-C: the agent has stopped the workers; say it as Python does.
@@ -316,7 +322,7 @@ def _agent_handles(preemption_signals: tuple[str, ...]) -> Iterator[None]:
     names = list(dict.fromkeys([*(saved.split(",") if saved else _AGENT_SIGNALS), *preemption_signals]))
     os.environ[_HANDLED_ENV] = ",".join(names)
     # Its warning on the signal ("Received 15 death signal") says less than stratagem's own line; torch gives
-    # each of its loggers a level of its own, so the parent's (launchers/_spawn.py) does not reach this one.
+    # each of its loggers a level of its own, so the parent's (launchers/_worker_start.py) does not reach this one.
     chatty = logging.getLogger("torch.distributed.elastic.agent.server.api")
     level = chatty.level
     chatty.setLevel(logging.ERROR)

@@ -16,7 +16,7 @@ import attrs
 
 from stratagem.cli.compare._columns import Column, Job, default_warmup
 from stratagem.cli.compare._measuring import _measure, _write_progress
-from stratagem.cli.compare._models import load_model_factory
+from stratagem.cli.compare._model_choice import load_model_factory
 from stratagem.errors import ConfigurationError
 
 
@@ -169,7 +169,7 @@ def run(
     progress: bool = True,
 ) -> list[ColumnResult]:
     """Run every column, one launch after the other, and return their measurements."""
-    from stratagem.launchers import _spawn as launcher
+    from stratagem.launchers import _worker_start
     from stratagem.launchers.cluster import resolve_accelerator
 
     for name, value in (("--steps", steps), ("--devices", devices), ("--batch-size", batch_size)):
@@ -194,7 +194,7 @@ def run(
             )
             bar.start(index, column)
             start = time.perf_counter()
-            per_rank = launcher.launch_function(
+            per_rank = _worker_start.launch_function(
                 _measure, (column, job), nproc_per_node=devices, accelerator=accelerator
             )
             wall = time.perf_counter() - start

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stratagem.checkpoint import _atomic, _store
-from stratagem.engine._optimizer import _strategy_objects
+from stratagem.engine._strategy_optimizer import _strategy_objects
 from stratagem.errors import CapabilityError, CheckpointError
 from stratagem.registry._manager import get_registry
 from stratagem.strategies.base import Strategy

@@ -3,7 +3,7 @@ them to its workers, and what the workers leave for it to report.
 
 A scheduler preempts a job with a signal and a grace period before it kills it (SLURM: SIGTERM, or the signal of
 ``--signal=USR1@90``; Kubernetes and spot instances: SIGTERM). The Trainer in each worker catches the signal and
-the ranks stop together at a step boundary with a checkpoint of that step (:mod:`stratagem.trainer._preemption`).
+the ranks stop together at a step boundary with a checkpoint of that step (:mod:`stratagem.trainer._preemption_stop`).
 A launcher that receives one passes it on to its workers and waits for them up to the grace period, instead of
 stopping them at once; then it exits with :data:`~stratagem.errors.PREEMPTED_EXIT_CODE`, as a worker that was
 preempted does. Each preempted worker writes a note beside the agent's error file, which the launcher reads to
