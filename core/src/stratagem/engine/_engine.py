@@ -10,6 +10,7 @@ from typing import Any, ContextManager
 
 import torch
 
+from stratagem.engine import _strategy_choice
 from stratagem.engine._checkpoint_io import Checkpoints
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
 from stratagem.engine._init_weights import wrap_and_load
@@ -94,6 +95,8 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         self._addons = tuple(addons)
         self._strategy_options: dict[str, Any] = {}  # a name's options, "fsdp_tp[tensor_parallel_size=2]"
         self._strategy_info, self._strategy = self._resolve_strategy(strategy)
+        auto = strategy == "auto" if isinstance(strategy, str) else False  # planned at fit: choose_strategy
+        self.plans_auto = auto and self.world_size_requested > 1 and not os.environ.get(STRATEGY_ENV)
         self._launcher_choice = launcher
         if self.needs_launch:
             # Checked before anything starts: the name exists, and it can run this request.
@@ -157,7 +160,7 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         """The registry's entry for the strategy (checked against the request) and the instance, if given."""
         registry = get_registry()
         if isinstance(strategy, Strategy):
-            info = self._info_for_instance(strategy)
+            info = _strategy_choice.info_for_instance(strategy)
             if info is not None:
                 self._check(info.name)
             return info, strategy
@@ -170,6 +173,17 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
             name, self._strategy_options = parse_label(name, f"strategy={name!r}")
         return self._check(name), None
 
+    def choose_strategy(self, workload: Any) -> Any:
+        """``strategy="auto"`` on several processes, before set-up: the strategy a plan of ``workload`` (a
+        ``stratagem.planning.Workload``) finds fitting with the least communication, said in one line."""
+        choice = _strategy_choice.choose(workload, self)
+        self._config["strategy"] = choice.strategy.name  # what workers built from this engine run
+        if self.needs_launch:  # workers that re-run the script take it as `stratagem run --strategy` gives it
+            os.environ[STRATEGY_ENV] = choice.strategy.name
+        self._strategy_info, self._strategy = self._resolve_strategy(choice.strategy.name)
+        self._hooks_cache, self.plans_auto = None, False
+        return choice
+
     def _auto_name(self, registry: Any) -> str:
         request = dict(accelerator=self.accelerator, precision=self.precision)
         return registry.auto(world_size=self.world_size_requested, **request).name
@@ -179,21 +193,12 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
             name, accelerator=self.accelerator, precision=self.precision, world_size=self.world_size_requested
         )
 
-    @staticmethod
-    def _info_for_instance(strategy: Strategy) -> Any:
-        registry = get_registry()
-        if strategy.registered_name in registry:
-            return registry.get(strategy.registered_name)
-        target = f"{type(strategy).__module__}:{type(strategy).__qualname__}"
-        for info in registry:
-            if info.factory is type(strategy) or info.factory == target:
-                return info
-        return None
-
     @property
     def capabilities(self) -> Any:
         info = (
-            self._strategy_info if self._strategy_info is not None else self._info_for_instance(self.strategy)
+            self._strategy_info
+            if self._strategy_info is not None
+            else _strategy_choice.info_for_instance(self.strategy)
         )
         return None if info is None else info.capabilities
 

@@ -2,8 +2,9 @@
 least per step; ties go to the simpler one (fewer process groups of its own), then to the one that holds less.
 
 A strategy is a candidate when its largest rank fits the device memory and its communication was measured (a
-pipeline's is not: :mod:`stratagem.planning._simulate`). No candidate: :class:`NothingFitsError`, with the
-plan's table of what each strategy needs.
+pipeline's is not: :mod:`stratagem.planning._simulate`). When none that fits was measured (a step that reads a
+tensor's value), the one with the fewest process groups, then the least memory, is taken, and the line says so.
+Nothing fits: :class:`NothingFitsError`, with the plan's table of what each strategy needs.
 """
 
 from __future__ import annotations
@@ -50,9 +51,25 @@ def candidates(plan: Plan) -> list[StrategyPlan]:
     ]
 
 
+def _unmeasured_key(strategy: StrategyPlan) -> tuple[int, int, str]:
+    assert strategy.largest is not None
+    return (strategy.groups, strategy.largest.total, strategy.name)
+
+
 def choose(plan: Plan) -> Choice:
     """The strategy ``auto`` takes from ``plan`` (see the module docstring)."""
     found = sorted(candidates(plan), key=_key)
+    fitting = [s for s in plan.strategies if s.fits and s.largest is not None]
+    if not found and fitting:
+        # None whose communication was measured (a step that reads a tensor's value): the simpler that fits.
+        best = min(fitting, key=_unmeasured_key)
+        assert best.largest is not None
+        reason = (
+            f"strategy='auto' chose {best.name!r}: its largest rank holds {format_bytes(best.largest.total)} of "
+            f"{format_bytes(plan.memory)}; the communication of none that fit could be measured "
+            f"({best.largest.note or 'see the plan'}), so the one with the fewest process groups"
+        )
+        return Choice(strategy=best, reason=reason + " (stratagem plan for the table).")
     if not found:
         raise NothingFitsError(plan)
     best = found[0]

@@ -20,7 +20,7 @@ def _lean_tracker(trace: Any) -> Any:
     mode for both, since each mode costs every operation of the step a Python call."""
     from copy import deepcopy
 
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
     from stratagem.planning._trace import functional_collective
 
@@ -33,6 +33,15 @@ def _lean_tracker(trace: Any) -> Any:
                 if found is not None:
                     trace.record(*found)
             return result
+
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            # A module called inside its own forward (the Trainer's training_step, run as the wrapper's forward,
+            # calls the module again): torch's tracker takes it for the next iteration and refuses. What the
+            # inner call allocates is inside the outer call's, so it is not started again.
+            stats = self.memory_tracking.get(module)
+            if stats is not None and not self._mod_tracker.is_bw and _ModState.POST_FW not in stats.snapshots:
+                return
+            super()._pre_fw_hook(module, inputs)
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             for device, snapshot in self._curr_mem_snap.items():

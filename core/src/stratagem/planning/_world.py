@@ -31,6 +31,7 @@ the tensors its operations create (the memo only matters for tensors converted f
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -260,6 +261,8 @@ def simulated_world(rank: int, world_size: int) -> Iterator[Trace]:
 
     _register_backend()
     trace = Trace()
+    # init_process_group prefixes this process's tracebacks with the rank ([rank3]: ...), once per group.
+    excepthook = sys.excepthook
     dist.init_process_group(BACKEND, rank=rank, world_size=world_size, store=dist.HashStore())
     try:
         with contextlib.ExitStack() as stack:
@@ -277,3 +280,4 @@ def simulated_world(rank: int, world_size: int) -> Iterator[Trace]:
             yield trace
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook

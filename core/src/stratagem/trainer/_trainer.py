@@ -16,7 +16,7 @@ from stratagem.errors import ConfigurationError
 from stratagem.launchers import _restarts
 from stratagem.launchers._watchdog import collective_timeout
 from stratagem.registry._event_hooks import TrainerEventHooks
-from stratagem.trainer import _callbacks_and_loggers, _fit_checks
+from stratagem.trainer import _callbacks_and_loggers, _fit_checks, _planned_module
 from stratagem.trainer._batch_rule import loader_batch_size
 from stratagem.trainer._checkpointing import CheckpointingMixin
 from stratagem.trainer._compiled import CompiledModels
@@ -278,8 +278,10 @@ class Trainer(TrainingLoop, Evaluation, EvaluationRuns, CheckpointingMixin, Comp
 
         model = self._plain_module(model)
         _fit_checks.check_model(model, for_fit=True, strategy_optimizer=strategy_optimizer)
-        _fit_checks.check_step(model, self._strategy_if_made())
         _fit_checks.check_loader(train_dataloaders, "train_dataloaders")
+        if self.engine.plans_auto:  # strategy="auto" on several processes: what fits (docs/planning.md)
+            self.engine.choose_strategy(_planned_module.fit_workload(model, train_dataloaders))
+        _fit_checks.check_step(model, self._strategy_if_made())
         if val_dataloaders is not None:
             _fit_checks.check_loader(val_dataloaders, "val_dataloaders")
         _fit_checks.check_ckpt_path(ckpt_path)

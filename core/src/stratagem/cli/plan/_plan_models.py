@@ -14,6 +14,7 @@ from typing import Any
 
 from stratagem.errors import ConfigurationError
 from stratagem.planning import Workload, parse_count, token_batch, token_step
+from stratagem.trainer._planned_module import module_step
 
 FORMS = "demo, a Hugging Face config (PATH/config.json), or package.module:Class (or path/file.py:Class)"
 
@@ -198,29 +199,10 @@ def model_class(spec: str) -> Workload:
         return model
 
     batch = _class_batch if callable(getattr(cls, "example_batch", None)) else None
-    return Workload(name=attr, build=build, batch=batch, step=_module_step if batch else None)
+    return Workload(name=attr, build=build, batch=batch, step=module_step if batch else None)
 
 
 def _class_batch(model: Any, batch_size: int, sequence_length: int) -> Any:
     import torch
 
     return model.example_batch(batch_size, torch.Generator().manual_seed(0))
-
-
-def _module_step(model: Any, wrapped: Any, batch: Any) -> Any:
-    """The loss as the Trainer computes it: ``split_batch`` and ``compute_loss`` for a module that defines its
-    loss, else ``training_step`` run through the wrapper's call."""
-    from stratagem.trainer._model_calls import redirected_forward
-    from stratagem.trainer.module import Module, defines_loss
-
-    if defines_loss(model):
-        inputs, targets = model.split_batch(batch)
-        return model.compute_loss(wrapped(*inputs), targets)
-    if isinstance(model, Module) and type(model).overrides("training_step"):
-        with redirected_forward(model, "training_step"):
-            out = wrapped(batch, 0)
-        return out["loss"] if isinstance(out, dict) else out
-    raise ConfigurationError(
-        f"{type(model).__name__}: the plan steps a model through its loss: define compute_loss (a "
-        "stratagem.Module) or training_step."
-    )

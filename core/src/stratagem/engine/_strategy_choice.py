@@ -1,0 +1,83 @@
+"""Which registered strategy the Engine runs. ``strategy="auto"`` on several processes: the model planned (:mod:`stratagem.planning`) under each installed
+strategy that offers itself for ``auto`` (``Capabilities(auto_priority=...)``), and the one chosen among those
+that fit each device's memory, by :func:`stratagem.planning.choose`.
+
+Each device's memory is ``STRATAGEM_DEVICE_MEMORY`` (with its unit: ``80GB``, ``24GiB``) when set, else a CUDA
+device's total memory, else (CPU processes) the host's physical memory divided among the node's processes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from stratagem.errors import ConfigurationError
+
+#: Each device's memory for ``strategy="auto"``, with its unit; overrides what the machine reports.
+DEVICE_MEMORY_ENV = "STRATAGEM_DEVICE_MEMORY"
+
+
+def device_memory(accelerator: str, devices: int) -> int:
+    """Bytes of memory each of the node's ``devices`` processes may use (see the module docstring)."""
+    from stratagem.planning import parse_bytes
+
+    given = os.environ.get(DEVICE_MEMORY_ENV)
+    if given:
+        return parse_bytes(given, DEVICE_MEMORY_ENV)
+    if accelerator == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
+
+
+def candidates(world: Any, accelerator: str) -> list[str]:
+    """The installed strategies that offer themselves for ``auto`` and serve this request."""
+    from stratagem.registry._manager import get_registry
+
+    found = [
+        info.name
+        for info in get_registry()
+        if info.capabilities.auto_priority is not None
+        and info.capabilities.refusal(
+            accelerator=accelerator, precision=world.precision, world_size=world.size
+        )
+        is None
+    ]
+    if not found:
+        raise ConfigurationError(
+            f"strategy='auto' with {world.size} processes: no installed strategy offers itself for 'auto' on "
+            f"{accelerator} at {world.precision} (a strategy does with Capabilities(auto_priority=...)). "
+            "Install stratagem-ddp or stratagem-fsdp, or name a strategy."
+        )
+    return sorted(found)
+
+
+def choose(workload: Any, engine: Any) -> Any:
+    """The :class:`stratagem.planning.Choice` for ``workload`` on the engine's world, printed (by the process
+    that launches, or rank 0); raises :class:`stratagem.planning.NothingFitsError` (with the plan's table) when
+    no candidate fits."""
+    from stratagem import planning
+
+    world = planning.World(devices=engine.devices, nodes=engine.num_nodes, precision=engine.precision)
+    memory = device_memory(engine.accelerator, world.devices)
+    names = candidates(world, engine.accelerator)
+    choice = planning.choose(planning.plan(workload, world, memory=memory, strategies=names))
+    if engine.needs_launch or os.environ.get("RANK", "0") == "0":
+        print(choice.reason, flush=True)
+    return choice
+
+
+def info_for_instance(strategy: Any) -> Any:
+    """The registry's entry for a ``Strategy`` instance given to the Engine (by its registered name, else its
+    class), or ``None`` for a class no plugin registers."""
+    from stratagem.registry._manager import get_registry
+
+    registry = get_registry()
+    if strategy.registered_name in registry:
+        return registry.get(strategy.registered_name)
+    target = f"{type(strategy).__module__}:{type(strategy).__qualname__}"
+    for info in registry:
+        if info.factory is type(strategy) or info.factory == target:
+            return info
+    return None
