@@ -269,3 +269,50 @@ def test_2048_ranks_hold_what_the_sharding_rules_give(
     assert result.status == "simulated", result.reason
     assert result.largest.rank == rank
     assert abs(result.largest.parameters - expected()) <= 0.001 * expected()
+
+
+# -------------------------------------------------------------------------------------------------
+# the command line
+# -------------------------------------------------------------------------------------------------
+
+
+def test_the_json_holds_the_keys_scripts_read(capsys: pytest.CaptureFixture[str]) -> None:
+    from stratagem.cli import main
+
+    args = ["plan", "--model", "demo", "--devices", "2", "--memory", "1GiB", "--seq", "16"]
+    assert main([*args, "--strategies", "ddp,fsdp", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in out["strategies"]] == ["ddp", "fsdp"]
+    for s in out["strategies"]:
+        assert s["fits"] is True and s["rank"] == 0
+        parts = [s[k] for k in ("parameters", "gradients", "optimizer", "activations")]
+        assert all(isinstance(v, int) and v > 0 for v in parts), s
+        assert s["total"] == sum(parts) + s["buffers"]
+    ddp, fsdp = out["strategies"]
+    assert fsdp["parameters"] < ddp["parameters"]  # sharded over the 2 ranks
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("nowhere/config.json", "--model nowhere/config.json: no such file (nowhere does not exist)"),
+        ("no_such_package.models:LM", "no module named 'no_such_package' can be imported"),
+        ("stratagem.contract._suite_model:ContractModle", "Did you mean 'ContractModel'?"),
+        ("demo.json", "--model demo.json: no such file"),
+    ],
+)
+def test_an_unknown_model_says_what_to_give(
+    model: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stratagem.cli import main
+
+    assert main(["plan", "--model", model, "--devices", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_memory_without_a_unit_is_refused_by_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from stratagem.cli import main
+
+    assert main(["plan", "--model", "demo", "--devices", "2", "--memory", "80", "--quiet"]) == 2
+    assert "'80' has no unit: write 80GB" in capsys.readouterr().err
