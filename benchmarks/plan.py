@@ -46,6 +46,9 @@ SCALE = {
 }
 
 
+LAST_CPU_SECONDS = [0.0]
+
+
 def run_plan(args: list[str]) -> tuple[dict[str, Any], float, int]:
     """``stratagem plan ... --json`` in a process of its own: the plan, seconds, peak resident bytes."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -63,6 +66,8 @@ def run_plan(args: list[str]) -> tuple[dict[str, Any], float, int]:
         err.seek(0)
         if process.returncode:
             raise SystemExit(f"stratagem plan {' '.join(args)} failed:\n{err.read()[-3000:]}")
+        # CPU seconds beside the wall clock: on a shared machine the wall clock counts other processes' turns.
+        LAST_CPU_SECONDS[0] = usage.ru_utime + usage.ru_stime
         return json.loads(out.read()), seconds, usage.ru_maxrss * 1024
 
 
@@ -156,16 +161,27 @@ def scale(names: list[str], seq: int) -> None:
                 want,
                 f"{(s['parameters'] - want) / want:+.2e}",
                 f"{seconds:.0f}",
+                f"{LAST_CPU_SECONDS[0]:.0f}",
                 f"{rss / 2**30:.2f}",
                 s["status"],
             )
         )
         print(table(rows[-1:], HEADER), flush=True)
-    print(f"\n{plan['parameter_count']:.4g} parameters at 2048 ranks, --seq {seq}")
+    print(f"\n{plan['parameter_count']:.4g} parameters at 2048 ranks, --seq {seq}; load {os.getloadavg()}")
     print(table(rows, HEADER))
 
 
-HEADER = ("strategy", "rank", "planned bytes", "by hand", "difference", "seconds", "peak RSS GiB", "status")
+HEADER = (
+    "strategy",
+    "rank",
+    "planned bytes",
+    "by hand",
+    "difference",
+    "seconds",
+    "cpu seconds",
+    "peak RSS GiB",
+    "status",
+)
 
 
 def llama_config(parameters: float, layers: int = 2) -> dict[str, Any]:

@@ -9,7 +9,12 @@ import attrs
 from stratagem.planning._simulate import RankMemory
 
 #: How a strategy's numbers were obtained.
-SIMULATED, ESTIMATED, NOT_ESTIMATED = "simulated", "estimated", "not estimated"
+#: A strategy's status in the plan: its hooks ran on the simulated world.
+SIMULATED = "simulated"
+#: Its ``estimate_memory`` hook answered.
+ESTIMATED = "estimated"
+#: Neither: the reason says why (never guessed).
+NOT_ESTIMATED = "not estimated"
 
 
 @attrs.frozen(kw_only=True)
