@@ -35,9 +35,10 @@ def candidates(world: Any, accelerator: str) -> list[str]:
     """The installed strategies that offer themselves for ``auto`` and serve this request."""
     from stratagem.registry._manager import get_registry
 
+    registry = get_registry()
     found = [
         info.name
-        for info in get_registry()
+        for info in registry
         if info.capabilities.auto_priority is not None
         and info.capabilities.refusal(
             accelerator=accelerator, precision=world.precision, world_size=world.size
@@ -45,10 +46,11 @@ def candidates(world: Any, accelerator: str) -> list[str]:
         is None
     ]
     if not found:
+        # None offers itself at all: the registry's error says what the installed plugins declare to install.
+        registry.auto(world_size=world.size, accelerator=accelerator, precision=world.precision)
         raise ConfigurationError(
-            f"strategy='auto' with {world.size} processes: no installed strategy offers itself for 'auto' on "
-            f"{accelerator} at {world.precision} (a strategy does with Capabilities(auto_priority=...)). "
-            "Install stratagem-ddp or stratagem-fsdp, or name a strategy."
+            f"strategy='auto' with {world.size} processes: no strategy that offers itself for 'auto' serves "
+            f"{accelerator} at {world.precision}. Name a strategy (`stratagem strategies` lists them)."
         )
     return sorted(found)
 
