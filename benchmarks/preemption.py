@@ -1,10 +1,14 @@
 """Preemption under ddp and fsdp, 2 processes: SIGTERM at a random step, to the launcher or to one worker.
 
 Each trial runs the core tests' workload script (a small regression model, AdamW, dropout, a shuffled loader;
-fsdp saves sharded checkpoints asynchronously every 3 steps) and sends SIGTERM once rank 0 has begun a random
-step, alternately to the launching process and to one worker (a random rank). Reported per trial and per
-strategy:
+fsdp saves sharded checkpoints asynchronously every 3 steps of 12, every 50 of 800) and sends SIGTERM once rank 0
+has begun a random step, alternately to the launching process and to one worker (a random rank). Two kinds of
+run: 12 slow steps (0.2 s sleep each: the ranks exchange at every boundary) and 800 short ones (2 ms sleep: the
+ranks exchange every N boundaries, N agreed from their step times), the signal in the first third. Reported per
+trial and per strategy and kind:
 
+- signal to stop: from the signal to the boundary at which rank 0 agreed to stop (the checkpoint's preemption
+  record says when; goal: within a second, or two steps when they are longer);
 - signal to exit: from the signal to the launching process's exit (what a scheduler's grace period must
   cover), and the fraction of the grace period it used (goal: at most 10 %);
 - the workers' own account: from the first rank's signal to the checkpoint written (printed by rank 0);
@@ -14,18 +18,19 @@ strategy:
 - bit-identical: the run resumed with ``ckpt_path="last"`` ends with the parameters of an uninterrupted run
   (``torch.equal``).
 
-Then the cost of being ready: step time of a 2-process ddp Trainer with the default preemption signals (one
-3-element all-reduce per step for the ranks to agree, started at a step's end and read at the next one's)
-against ``preemption_signals=()``, launches alternated.
+Then the cost of being ready: the step time of trainer_overhead.py's MLP (4 x 64, batch 96 per rank) in the
+same 2 processes, in rounds of four loops, each first in turn: raw DDP, the Trainer with the default preemption
+signals, the same with an exchange at every boundary (as before the interval), and ``preemption_signals=()``;
+the differences per round, with their spread (goal: at most +0.1 ms per step over ``preemption_signals=()``).
 
-    python benchmarks/preemption.py --trials 10 [--grace 30] [--overhead-rounds 4]
-    python benchmarks/preemption.py --trials 0 --overhead-rounds 4     # the cost of being ready alone
+    python benchmarks/preemption.py --trials 10 [--grace 30] [--ready-rounds 10]
+    python benchmarks/preemption.py --trials 0 --ready-rounds 10      # the cost of being ready alone
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import math
 import os
 import random
 import re
@@ -37,20 +42,23 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from _common import table
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "core" / "tests" / "workloads" / "sg_workloads.py"
-_WORKERS = re.compile(r"preempted by (\w+) at step (\d+): saved \S+ ([\d.]+) s after the signal")
-_OPTIONS = {"ddp": ["--format", "full"], "fsdp": ["--format", "sharded", "--async-ckpt", "--ckpt-every", "3"]}
+_WORKERS = re.compile(r"preempted by (\w+) at step (\d+): saved (\S+) ([\d.]+) s after the signal")
+_FORMAT = {"ddp": ["--format", "full"], "fsdp": ["--format", "sharded", "--async-ckpt", "--ckpt-every"]}
 
 
-def command(strategy: str, root: Path, args: argparse.Namespace, *extra: str) -> list[str]:
-    line = [sys.executable, str(SCRIPT), "--strategy", strategy, "--devices", "2", "--steps", str(args.steps)]
+def command(strategy: str, steps: int, root: Path, args: argparse.Namespace, *extra: str) -> list[str]:
+    line = [sys.executable, str(SCRIPT), "--strategy", strategy, "--devices", "2", "--steps", str(steps)]
     line += ["--optimizer", "adamw", "--shuffle", "--dropout", "0.1", "--grace", str(args.grace)]
-    return [*line, *_OPTIONS[strategy], "--root", str(root / "runs"), "--out", str(root / "out"), *extra]
+    # fsdp saves every 3 steps of 12, every 50 of 800: a save may be in flight when the signal comes.
+    line += [*_FORMAT[strategy], *([str(max(3, steps // 16))] if strategy == "fsdp" else [])]
+    return [*line, "--root", str(root / "runs"), "--out", str(root / "out"), *extra]
 
 
 def params(root: Path) -> dict[str, torch.Tensor]:
@@ -66,11 +74,19 @@ def progress(folder: Path, rank: int) -> tuple[int, int] | None:
     return int(step), int(pid)
 
 
-def trial(strategy: str, target: str, at: int, args: argparse.Namespace, want: dict, root: Path) -> dict:
+def record(path: Path) -> dict:
+    """The preemption record of the checkpoint saved at the stop."""
+    if path.is_dir():  # sharded
+        return torch.load(path / "state.pt", weights_only=True)["preempted"]
+    return torch.load(path, weights_only=True)["state"]["preempted"]
+
+
+def trial(kind: tuple[float, int], strategy: str, target: str, at: int, args, want: dict, root: Path) -> dict:
+    sleep, steps = kind
     marks = root / "progress"
     marks.mkdir(parents=True)
     env = dict(os.environ, SG_PROGRESS_DIR=str(marks))
-    line = command(strategy, root, args, "--step-sleep", str(args.step_sleep))
+    line = command(strategy, steps, root, args, "--step-sleep", str(sleep))
     launcher = subprocess.Popen(line, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Until rank 0 has begun step `at` and both ranks have said who they are.
     while (seen := [progress(marks, r) for r in range(2)])[0] is None or seen[0][0] < at or seen[1] is None:
@@ -82,7 +98,7 @@ def trial(strategy: str, target: str, at: int, args: argparse.Namespace, want: d
     rank = random.randrange(2)
     workers = [mark[1] for mark in seen if mark is not None]
     pid = launcher.pid if target == "launcher" else workers[rank]
-    sent = time.monotonic()
+    sent, sent_wall = time.monotonic(), time.time()
     os.kill(pid, signal.SIGTERM)
     streams: list[str] = []
     reader = threading.Thread(target=lambda: streams.extend(launcher.communicate(timeout=args.grace * 3)))
@@ -101,9 +117,13 @@ def trial(strategy: str, target: str, at: int, args: argparse.Namespace, want: d
     if said is None:
         raise RuntimeError(f"{strategy}: rank 0 did not report the preemption:\n{out[-2000:]}")
     saved = int(said.group(2))
+    stopped = record(Path(said.group(3))).get("stopped")  # when rank 0 agreed to stop (wall clock)
     begun = max(progress(marks, r)[0] for r in range(2)) + 1  # type: ignore[index]
     resumed = subprocess.run(
-        command(strategy, root, args, "--ckpt-path", "last"), capture_output=True, text=True, timeout=300
+        command(strategy, steps, root, args, "--ckpt-path", "last"),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     if resumed.returncode != 0:
         raise RuntimeError(f"{strategy}: the resumed run failed:\n{resumed.stderr[-3000:]}")
@@ -114,7 +134,8 @@ def trial(strategy: str, target: str, at: int, args: argparse.Namespace, want: d
         "saved": saved,
         "lost": begun - saved,
         "took": took,
-        "workers": float(said.group(3)),
+        "stop": None if stopped is None else stopped - sent_wall,
+        "workers": float(said.group(4)),
         "exited": max(ended.values(), default=sent + took) - sent,
         "identical": all(torch.equal(got[k], v) for k, v in want.items()),
     }
@@ -127,7 +148,10 @@ def _ended(pid: int) -> bool:
         return True
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float | None]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
     if len(values) < 2:
         return f"{values[0]:.2f} s"
     q1, _, q3 = statistics.quantiles(values, n=4)
@@ -137,181 +161,191 @@ def spread(values: list[float]) -> str:
 # the cost of being ready --------------------------------------------------------------------------------
 
 
-def overhead_worker(args: argparse.Namespace) -> None:
-    """One Trainer run (re-run in 2 workers by the Trainer); rank 0 writes its step times to ``args.times``."""
+def ready_worker(engine, args: argparse.Namespace, root: str) -> dict[str, list[tuple[float, float, float]]]:
+    """In each of 2 workers: rounds of four loops on trainer_overhead.py's MLP and data, in the same processes,
+    each loop first in turn: raw DDP; the Trainer with the default preemption signals ("armed"); the same with
+    an exchange at every step boundary, as before the exchanges had an interval ("every boundary"); and with
+    ``preemption_signals=()`` ("off"). Rank 0 returns, per loop and round, the median and the mean step, the
+    mean CPU time per step of the process (all its threads: what load on the machine changes least; a mean, so
+    that the rare steps that start an exchange count), and the exchanges started per step."""
+    import trainer_overhead as to
+
+    shape = argparse.Namespace(width=args.width, depth=4, batch=96, steps=args.ready_steps)
+    data = to.make_data(shape.width, shape.batch, shape.steps, engine.world_size)
+    loops = {
+        "raw": lambda: (to.raw_loop(shape, data), [math.nan], 0),
+        "armed": lambda: _counted(lambda: _trainer_loop(shape, data, root)),
+        "every boundary": lambda: _counted(lambda: _every_boundary(lambda: _trainer_loop(shape, data, root))),
+        "off": lambda: _counted(lambda: _trainer_loop(shape, data, root, preemption_signals=())),
+    }
+    names, rounds = list(loops), []
+    for round_ in range(args.ready_rounds):
+        segments = {}
+        for name in names[round_ % 4 :] + names[: round_ % 4]:
+            engine.barrier(name)
+            wall, cpu, exchanges = loops[name]()
+            per_step = exchanges / (shape.steps + 1)
+            segments[name] = (
+                statistics.median(wall),
+                statistics.fmean(wall),
+                statistics.fmean(cpu),
+                per_step,
+            )
+        rounds.append(segments)
+    return {name: [r[name] for r in rounds] for name in names}
+
+
+def _trainer_loop(shape: argparse.Namespace, data: Any, root: str, **options: Any) -> tuple[list, list]:
+    """trainer_overhead.py's Trainer loop (defaults: the csv logger, the progress bar), timed by wall clock and
+    by the process's CPU time."""
+    import trainer_overhead as to
     from torch.utils.data import DataLoader
 
     import stratagem as sg
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    import sg_workloads as wl
+    class Net(to.Net):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.cpu.append(time.process_time())
+            return super().training_step(batch, batch_idx)
 
-    stamps: list[float] = []
-
-    class StepTimes:
-        @sg.hookimpl
-        def on_train_batch_end(self) -> None:
-            stamps.append(time.perf_counter())
-
+    module = Net(shape)
+    module.cpu = []
     trainer = sg.Trainer(
         strategy="ddp",
         accelerator="cpu",
         devices=2,
-        max_steps=args.overhead_steps,
-        enable_progress_bar=False,
-        loggers=[],
-        callbacks=[StepTimes()],
-        seed=7,
-        **({"preemption_signals": ()} if args.off else {}),
+        max_steps=shape.steps + 1,
+        default_root_dir=root,
+        **options,
     )
-    data = wl.dataset(n=8 * 64)
-    trainer.fit(wl.Regression(width=args.width), DataLoader(data, batch_size=8, shuffle=True))
-    if trainer.is_global_zero:
-        times = [b - a for a, b in itertools.pairwise(stamps[10:])]  # the first steps warm up
-        Path(args.times).write_text("\n".join(repr(t) for t in times))
+    trainer.fit(module, DataLoader(data, batch_size=shape.batch))
+    return to.step_times(module.stamps), to.step_times(module.cpu)
 
 
-def overhead(args: argparse.Namespace, scratch: Path) -> None:
-    print(
-        f"\nstep time, 2-process ddp Trainer, width {args.width}, {args.overhead_steps} steps per launch, "
-        f"{args.overhead_rounds} rounds (order alternated); load {os.getloadavg()[0]:.2f}",
-        flush=True,
-    )
-    medians: dict[str, list[float]] = {"armed": [], "off": []}
-    for round_ in range(args.overhead_rounds):
-        order = ["armed", "off"] if round_ % 2 == 0 else ["off", "armed"]
-        for name in order:
-            times = scratch / f"times-{name}-{round_}"
-            line = [sys.executable, __file__, "--overhead-worker", "--times", str(times)]
-            line += ["--overhead-steps", str(args.overhead_steps), "--width", str(args.width)]
-            subprocess.run([*line, *(["--off"] if name == "off" else [])], check=True, capture_output=True)
-            medians[name].append(statistics.median(float(t) for t in times.read_text().split()))
-    ratios = [a / o for a, o in zip(medians["armed"], medians["off"])]
-    rows = [
-        [name, f"{statistics.median(values) * 1e3:.3f} ms", " ".join(f"{v * 1e3:.3f}" for v in values)]
-        for name, values in medians.items()
-    ]
-    print(table(rows, ["preemption", "median step", "per-round medians (ms)"]))
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    print(
-        f"ratio armed/off: {statistics.median(ratios):.3f} (median of rounds, IQR {q[0]:.3f}-{q[2]:.3f}; "
-        "per round " + " ".join(f"{r:.3f}" for r in ratios) + ")"
-    )
+def _counted(run: Any) -> tuple[list, list, int]:
+    """``run``'s step times, and how many exchanges its fit started (every one, the last at fit's end)."""
+    from stratagem.trainer import _agreement
+
+    start, started = _agreement.Agreement._start, [0]
+
+    def counting(self: Any, values: Any) -> None:
+        started[0] += 1
+        start(self, values)
+
+    _agreement.Agreement._start = counting  # type: ignore[method-assign]
+    try:
+        wall, cpu = run()
+    finally:
+        _agreement.Agreement._start = start  # type: ignore[method-assign]
+    return wall, cpu, started[0]
 
 
-# the agreement alone, paired ----------------------------------------------------------------------------
+def _every_boundary(run):
+    from stratagem.trainer import _agreement
+
+    budget = getattr(_agreement, "BUDGET_S", None)
+    _agreement.BUDGET_S = 0.0  # a budget of 0 s: an interval of 1, every boundary
+    try:
+        return run()
+    finally:
+        _agreement.BUDGET_S = budget
 
 
-def paired_worker(engine, args: argparse.Namespace) -> dict[str, list[float]]:
-    """In each of 2 ddp workers: blocks of training steps of one model, without an agreement ("off"), with the
-    Trainer's agreement (an all-reduce started at each step's end and read at the next one's), and with the
-    blocking all-reduce on the training group that it replaced; the blocks rotate, and rank 0 returns each
-    block's median step time."""
-    import torch.nn.functional as F
-
-    from stratagem.trainer._agreement import NOTHING, Agreement
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(16, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 1)
-    )
-    model, opt = engine.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
-    agreement = Agreement(engine)
-    x, y = torch.randn(8, 16), torch.randn(8, 1)
-
-    def step(mode: str) -> float:
-        start = time.perf_counter()
-        loss = F.mse_loss(model(x), y)
-        engine.backward(loss, model)
-        opt.step()
-        opt.zero_grad()
-        if mode == "agreement":
-            agreement.exchange(NOTHING)
-        elif mode == "blocking":
-            engine.all_reduce(torch.tensor(NOTHING, dtype=torch.float64), "max")
-        return time.perf_counter() - start
-
-    modes = ["off", "agreement", "blocking"]
-    for mode in modes:  # warm-up
-        for _ in range(20):
-            step(mode)
-    medians: dict[str, list[float]] = {mode: [] for mode in modes}
-    for block in range(args.paired_blocks):
-        for mode in modes[block % 3 :] + modes[: block % 3]:
-            times = [step(mode) for _ in range(args.paired_block_steps)]
-            medians[mode].append(statistics.median(times))
-            agreement.settle()  # the next block starts with nothing in flight
-    agreement.close()
-    return medians
-
-
-def paired(args: argparse.Namespace) -> None:
+def ready(args: argparse.Namespace) -> None:
     import stratagem as sg
 
-    engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2)
-    medians = engine.launch(paired_worker, args)
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="sg-preempt-ready-") as root:
+        stats = sg.Engine(strategy="ddp", accelerator="cpu", devices=2).launch(ready_worker, args, root)
     print(
-        f"\nthe agreement alone: 2-process ddp Engine steps (width {args.width}, AdamW, batch 8), "
-        f"{args.paired_blocks} blocks of {args.paired_block_steps} steps per mode, rotating; load "
-        f"{os.getloadavg()[0]:.2f}"
+        f"\nthe cost of being ready: 2-process ddp, MLP 4x{args.width}, batch 96 per rank, {args.ready_rounds} "
+        f"rounds of {args.ready_steps} steps per loop (the first 5 dropped), each loop first in turn; load "
+        f"{load:.2f} -> {os.getloadavg()[0]:.2f}"
     )
     rows = []
-    for mode in ("agreement", "blocking"):
-        ratios = [a / o for a, o in zip(medians[mode], medians["off"])]
-        q1, _, q3 = statistics.quantiles(ratios, n=4)
-        extra = statistics.median(a - o for a, o in zip(medians[mode], medians["off"]))
-        rows.append(
-            [mode, f"{statistics.median(medians[mode]) * 1e3:.3f} ms", f"{extra * 1e3:+.3f} ms",
-             f"{statistics.median(ratios):.3f} (IQR {q1:.3f}-{q3:.3f})"]
-        )  # fmt: skip
-    rows.append(["off", f"{statistics.median(medians['off']) * 1e3:.3f} ms", "", ""])
-    print(table(rows, ["per step", "median step", "added (median of blocks)", "ratio to off (blocks)"]))
+    for name, rounds in stats.items():
+        medians = [f"{statistics.median(r[i] for r in rounds) * 1e3:.3f} ms" for i in (0, 1, 2)]
+        over = _added(rounds, stats["raw"], 0)[0] if name != "raw" else ""
+        exchanges = f"{statistics.median(r[3] for r in rounds):.4f}" if name != "raw" else ""
+        rows.append([name, *medians[:2], medians[2] if name != "raw" else "", exchanges, over])
+    header = ["loop", "median step", "mean step", "mean CPU time per step", "exchanges per step"]
+    print(table(rows, [*header, "median step over raw"]))
+    for name in ("armed", "every boundary"):
+        for i, what in enumerate(("median step", "mean step", "mean CPU time per step")):
+            added, spread_ = _added(stats[name], stats["off"], i)
+            print(f"{name} - off, {what}: {added} ({spread_})")
+    # What the exchanges cost, from the loops that differ by one exchange per step, times how often the armed
+    # loop exchanged: a figure the load moves far less than a difference of step times does.
+    one = [(e[2] - o[2]) / e[3] for e, o in zip(stats["every boundary"], stats["off"])]
+    print(
+        f"one exchange (every boundary - off, mean CPU time per exchange): {statistics.median(one) * 1e3:+.3f} ms; "
+        f"armed, {statistics.median(r[3] for r in stats['armed']):.4f} exchanges per step: "
+        f"{statistics.median(one) * statistics.median(r[3] for r in stats['armed']) * 1e3:+.4f} ms per step"
+    )
+    print("goal: armed - off at most +0.1 ms per step")
+
+
+def _added(these: list[tuple[float, ...]], base: list[tuple[float, ...]], i: int) -> tuple[str, str]:
+    """The per-round differences of statistic ``i``: their median, and their quartiles and values, in ms."""
+    added = [(a[i] - b[i]) * 1e3 for a, b in zip(these, base)]
+    q1, _, q3 = statistics.quantiles(added, n=4) if len(added) > 1 else [added[0]] * 3
+    values = " ".join(f"{v:+.3f}" for v in added)
+    return (
+        f"{statistics.median(added):+.3f} ms",
+        f"median of rounds; IQR {q1:+.3f} to {q3:+.3f}; rounds {values}",
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trials", type=int, default=10, help="trials per strategy (0: none)")
+    p.add_argument("--trials", type=int, default=10, help="trials per strategy and kind of step (0: none)")
     p.add_argument("--strategies", default="ddp,fsdp")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--step-sleep", type=float, default=0.2, help="seconds each step sleeps (a slower step)")
+    p.add_argument("--short-steps", type=int, default=800, help="steps of the short kind (0: none)")
+    p.add_argument(
+        "--short-sleep", type=float, default=0.002, help="seconds each step of the short kind sleeps"
+    )
     p.add_argument("--grace", type=float, default=30.0, help="Trainer(preemption_grace_s=...)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--overhead-rounds", type=int, default=4, help="0: skip the step-time comparison")
-    p.add_argument("--overhead-steps", type=int, default=400)
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--paired-blocks", type=int, default=30, help="0: skip the paired measurement")
-    p.add_argument("--paired-block-steps", type=int, default=20)
-    p.add_argument("--overhead-worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--off", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--times", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ready-rounds", type=int, default=10, help="0: skip the step-time comparison")
+    p.add_argument("--ready-steps", type=int, default=300)
+    p.add_argument("--width", type=int, default=64)
     args = p.parse_args()
-    if args.overhead_worker:
-        overhead_worker(args)
-        return
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     random.seed(seed)
+    kinds = [(args.step_sleep, args.steps)] + (
+        [(args.short_sleep, args.short_steps)] if args.short_steps else []
+    )
     print(
-        f"preemption: {args.trials} trials per strategy, {args.steps} steps ({args.step_sleep} s sleep each), "
-        f"grace period {args.grace:g} s, seed {seed}; load {os.getloadavg()[0]:.2f}",
+        f"preemption: {args.trials} trials per strategy and kind of step ("
+        + ", ".join(f"{steps} steps sleeping {sleep:g} s" for sleep, steps in kinds)
+        + f"), grace period {args.grace:g} s, seed {seed}; load {os.getloadavg()[0]:.2f}",
         flush=True,
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="sg-preempt-bench-") as tmp:
         scratch = Path(tmp)
-        for strategy in args.strategies.split(",") if args.trials else []:
-            reference = scratch / f"{strategy}-reference"
-            subprocess.run(command(strategy, reference, args), check=True, capture_output=True, timeout=300)
+        for strategy, kind in (
+            [(s, k) for s in args.strategies.split(",") for k in kinds] if args.trials else []
+        ):
+            sleep, steps = kind
+            name = f"{strategy}, {steps} x {sleep:g} s"
+            reference = scratch / f"{strategy}-{steps}-reference"
+            subprocess.run(command(strategy, steps, reference, args), **_QUIET)
             want = params(reference)
             results = []
             for i in range(args.trials):
-                target, at = ("launcher", "worker")[i % 2], random.randrange(1, args.steps - 1)
-                result = trial(strategy, target, at, args, want, scratch / f"{strategy}-{i}")
+                # Short steps: the signal in the first third, so that more than a second of steps remains.
+                at = random.randrange(1, steps - 1 if sleep >= 0.1 else steps // 3)
+                target = ("launcher", "worker")[i % 2]
+                result = trial(kind, strategy, target, at, args, want, scratch / f"{strategy}-{steps}-{i}")
                 results.append(result)
+                stop = "" if result["stop"] is None else f"stopped {result['stop']:.2f} s after the signal, "
                 print(
-                    f"  {strategy} trial {i + 1}/{args.trials}: SIGTERM to the {result['who']} at step {at}: "
-                    f"saved step {result['saved']}, {result['lost']} step(s) lost, exit {result['took']:.2f} s "
-                    f"after the signal ({100 * result['took'] / args.grace:.1f} % of the grace period; the "
+                    f"  {name} trial {i + 1}/{args.trials}: SIGTERM to the {result['who']} at step {at}: "
+                    f"saved step {result['saved']}, {result['lost']} step(s) lost, {stop}exit {result['took']:.2f} s "
+                    f"after it ({100 * result['took'] / args.grace:.1f} % of the grace period; the "
                     f"workers' checkpoint {result['workers']:.1f} s, their exit {result['exited']:.2f} s), "
                     f"{'bit-identical' if result['identical'] else 'DIFFERENT'}",
                     flush=True,
@@ -319,9 +353,10 @@ def main() -> None:
             took = [r["took"] for r in results]
             rows.append(
                 [
-                    strategy,
+                    name,
                     f"{sum(r['identical'] for r in results)}/{len(results)}",
                     sum(r["lost"] for r in results),
+                    spread([r["stop"] for r in results]),
                     spread(took),
                     f"{100 * max(took) / args.grace:.1f} %",
                     spread([r["workers"] for r in results]),
@@ -329,24 +364,19 @@ def main() -> None:
                 ]
             )
         if rows:
-            print(
-                table(
-                    rows,
-                    [
-                        "strategy",
-                        "bit-identical",
-                        "steps lost (all trials)",
-                        "signal -> exit",
-                        "of the grace period (max)",
-                        "signal -> checkpoint (rank 0)",
-                        "signal -> workers' exit",
-                    ],
-                )
-            )
-        if args.overhead_rounds:
-            overhead(args, scratch)
-    if args.paired_blocks:
-        paired(args)
+            header = [
+                "strategy, steps",
+                "bit-identical",
+                "steps lost (all trials)",
+                "signal -> stop (rank 0)",
+            ]
+            header += ["signal -> exit", "of the grace period (max)", "signal -> checkpoint (rank 0)"]
+            print(table(rows, [*header, "signal -> workers' exit"]))
+    if args.ready_rounds:
+        ready(args)
+
+
+_QUIET = {"check": True, "capture_output": True, "timeout": 300}
 
 
 if __name__ == "__main__":

@@ -282,7 +282,7 @@ def dispatch_cost(callbacks: int, reps: int = 20000, repeats: int = 7) -> tuple[
         callbacks=[NoOp() for _ in range(callbacks)],
         enable_progress_bar=False,
     )
-    events = trainer._events  # the Trainer's own dispatcher: what _train_batch calls
+    events = trainer._events  # the Trainer's own dispatcher: what its fit loop calls
     batch, optimizer, timings = (torch.zeros(1), torch.zeros(1)), object(), []
     for _ in range(repeats):
         start = time.perf_counter()

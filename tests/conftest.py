@@ -81,3 +81,16 @@ def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     else:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The runs across hosts (marker ``cluster``: tests/test_many_hosts.py, the SLURM and Ray clusters of two
+    hosts) take about 11 minutes of a whole run on 2 cores, which CI's time cannot hold with the rest: a whole run
+    leaves them out, saying so, unless STRATAGEM_CLUSTER_TESTS=1 or ``-m cluster`` asks for them. Naming their
+    files runs them as well (this file is not loaded then)."""
+    if os.environ.get("STRATAGEM_CLUSTER_TESTS") == "1" or "cluster" in (config.getoption("markexpr") or ""):
+        return
+    across = [item for item in items if item.get_closest_marker("cluster") is not None]
+    if across:
+        items[:] = [item for item in items if item.get_closest_marker("cluster") is None]
+        config.hook.pytest_deselected(items=across)

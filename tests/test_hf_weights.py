@@ -221,11 +221,16 @@ def test_the_fine_tuned_model_exports_to_from_pretrained(
 def test_an_export_from_s3_is_the_local_one_byte_for_byte(
     launched: Any, s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import s3fs
+
     from stratagem.checkpoint.hf import export_checkpoint
 
     run = launched("torch2") / "ft-fsdp"
     for key, value in s3.env().items():
         monkeypatch.setenv(key, value)
+    # fsspec keeps one S3 file system per set of arguments, made with the endpoint of its time: one that an
+    # earlier test of this process made points at that test's server, gone now (this test passed alone only).
+    s3fs.S3FileSystem.clear_instance_cache()
     export_checkpoint(run / "sharded", tmp_path / "local")
     export_checkpoint("s3://hf-weights/torch2/fsdp/sharded", tmp_path / "from-s3")
     export_checkpoint(run / "sharded", "s3://hf-weights/exports/fsdp")
@@ -240,3 +245,4 @@ def test_an_export_from_s3_is_the_local_one_byte_for_byte(
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(tmp_path / "from-s3")("w1 w5 w9")["input_ids"] == [1, 5, 9]
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -21,7 +21,7 @@ STEPS = 6
 #: One run of the launchers on both hosts, start-up included, on a busy 2-core machine.
 RUN_TIMEOUT = 240
 #: Each test makes up to two runs of 4 workers (torch imported 6 times each).
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(2 * RUN_TIMEOUT + 60)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cluster, pytest.mark.timeout(2 * RUN_TIMEOUT + 60)]
 
 
 def _train(

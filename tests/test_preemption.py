@@ -2,7 +2,8 @@
 exits with the preempted code (75) within the grace period, leaving a complete checkpoint of the step it stopped
 at, and the run resumed from it (``ckpt_path="last"``) ends bit-identical (``torch.equal``) to an uninterrupted
 one. Each strategy is one launch sequence (two preemptions, then the run to its end) to keep the CI time small;
-``benchmarks/preemption.py`` runs more trials per strategy and times them."""
+``benchmarks/preemption.py`` runs more trials per strategy and times them. With short steps, one launch checks that
+the ranks exchange far less often than once a step, and still stop together within a second of a signal."""
 
 from __future__ import annotations
 
@@ -154,3 +155,36 @@ def test_sigterm_to_the_launcher_or_a_worker_stops_with_a_checkpoint_and_resumes
     tensors = [v for r in (want, got) for s in r["optimizer"]["state"].values() for v in s.values()]
     assert not [type(v).__name__ for v in tensors if type(v) is not torch.Tensor], "a DTensor in the snapshot"
     assert wl.processes_mentioning(str(tmp_path)) == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_with_short_steps_the_ranks_exchange_rarely_and_stop_together_within_a_second(tmp_path: Path) -> None:
+    import preemption_workers
+
+    import stratagem as sg
+
+    steps, sleep_s, signal_at = 150, 0.01, 60
+    engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2)
+    out = engine.launch(preemption_workers.short_steps, str(tmp_path), steps, sleep_s, signal_at)
+    # What being ready adds: the all-reduces of the fit with the default signals beyond those of the same fit
+    # without them (ddp's gradients, the metrics). One per step before; now the ranks exchange once the
+    # previous exchange's step times say that half a second has gone by, plus the first ones (no step time
+    # yet) and the last one: on average less than one per quarter second of training, whatever the load.
+    exchanges = out["armed all-reduces"] - out["off all-reduces"]
+    assert out["off all-reduces"] >= steps, out  # the profiler sees ddp's all-reduces: it would see these
+    assert 2 <= exchanges <= 5 + 4 * out["armed seconds"], out
+    # Rank 1 alone caught SIGTERM during step signal_at + 1: every rank stopped at one step, after it and
+    # before the end (an exchange during training carried it, not the one at the end), within the second
+    # promised (the interval keeps it to half a second at the step time last measured).
+    stopped, record = out["stopped, every rank"], out["record"]
+    assert stopped[0] == stopped[1] == record["saved step"] == record["step"], out
+    assert signal_at < stopped[0] < steps, out
+    assert record["signal"] == "SIGTERM", out
+    assert 0 <= record["stopped"] - record["received"] <= 1.0, out
+    # A signal three steps before the end, after the last exchange of the training began: the one more
+    # exchange at the end of fit carries it, and every rank stops at the last step at the latest.
+    stopped = out["stopped late, every rank"]
+    assert "record late" in out, out  # fit returned: the late signal went unseen
+    assert stopped[0] == stopped[1] == out["record late"]["step"], out
+    assert steps - 3 < stopped[0] <= steps, out

@@ -99,7 +99,7 @@ def test_fit_takes_a_compiled_module_and_the_other_entry_points_its_wrapper_afte
     # The Trainer holds the user's module, compiled in place per block with the options torch.compile was given.
     assert trainer.module is module and seen.modules == [module, module]
     assert trainer.engine.compiled_regions == ["blocks.0", "blocks.1"]
-    assert trainer._compile == CompileOptions(backend="aot_eager", dynamic=False)
+    assert trainer._setup.compile == CompileOptions(backend="aot_eager", dynamic=False)
     assert dynamo_counts()["frames"] > before
     notes = _notes(capsys.readouterr().out)
     assert len(notes) == 1 and "(the model)" in notes[0], notes

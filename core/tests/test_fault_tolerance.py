@@ -197,7 +197,14 @@ def test_a_changed_world_size_keeps_the_global_batch_where_it_divides() -> None:
 @pytest.mark.timeout(300)
 def test_torchrun_restarts_resume_too(tmp_path: Path) -> None:
     """Under torchrun's own agent (its shared store keeps the failed attempt's keys), --max-restarts restarts
-    the group and the Trainer resumes by itself."""
+    the group and the Trainer resumes by itself. A launch made from this process before must not leave its
+    rendezvous round behind: torchrun's restarted workers named their keys after it, as the failed ones had, and
+    failed (this test passed alone and failed after any other launch in the same process)."""
+    from stratagem.launchers._worker_start import launch_function
+
+    rounds = launch_function(os.getenv, ("STRATAGEM_RENDEZVOUS_ROUND",), nproc_per_node=1)
+    assert rounds == {0: "0"}, rounds
+    assert "STRATAGEM_RENDEZVOUS_ROUND" not in os.environ
     reference, _ = _run(tmp_path / "reference", "--ckpt-every", "2")
     assert reference.returncode == 0, reference.stderr[-3000:]
     root = tmp_path / "torchrun"

@@ -99,7 +99,8 @@ def test_launcher_options_reach_the_named_launcher(monkeypatch) -> None:
     monkeypatch.setitem(sg.get_registry().launchers, "tagged", info)
     common = dict(strategy="ddp", accelerator="cpu", devices=2, launcher="tagged")
     trainer = sg.Trainer(**common, launcher_options={"tag": "x"})
-    assert trainer.engine._launcher.tag == "x" and trainer.engine._launcher.registered_name == "tagged"
+    launcher = trainer.engine._launching.launcher
+    assert launcher.tag == "x" and launcher.registered_name == "tagged"
     with pytest.raises(ConfigurationError, match=r"launcher_options for launcher 'tagged': .*'tga'"):
         sg.Engine(**common, launcher_options={"tga": "x"})
     with pytest.raises(ConfigurationError, match="give the options to its constructor"):

@@ -39,8 +39,10 @@ ARGS = ["--devices", "1", "--steps", "6", "--batch", "4", "--shuffle", "--optimi
 ARGS += ["--strategy", "ddp", "--timeout", "60"]
 #: One launch of two workers, start-up included, on a busy 2-core machine.
 RUN_TIMEOUT = 240
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(2 * RUN_TIMEOUT)]
-ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cluster, pytest.mark.timeout(2 * RUN_TIMEOUT)]
+# Ray's switch for clusters of several nodes on: test_ray.py turns it off in this process for its loopback
+# clusters (ray start --address then refuses, "not supported on Windows and OSX"), and the hosts inherit it.
+ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 #: What a node of the cluster runs while no driver does: its daemons and idle workers of its pool.
 IDLE = "ray::IDLE"
 

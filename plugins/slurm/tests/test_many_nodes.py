@@ -25,7 +25,7 @@ import slurm_cluster
 import torch
 from slurm_runs import ARGS, SCRIPT, relative_difference
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cluster, pytest.mark.timeout(300)]
 #: One launch of four workers, start-up included, on a busy 2-core machine.
 RUN_TIMEOUT = 240
 TWO_NODES = ("--devices", "2", "--num-nodes", "2")

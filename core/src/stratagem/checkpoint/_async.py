@@ -4,19 +4,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic, _dcp, _store
-from stratagem.checkpoint._publish import _publish_sharded
-from stratagem.checkpoint._ranks import _agree, _describe, _distributed, _single_process_quiet
-from stratagem.checkpoint._state_layout import (
-    Parts,
-)
+from stratagem.checkpoint import _atomic, _dcp, _write
+from stratagem.checkpoint._publish import Destination
+from stratagem.checkpoint._ranks import _agree, _attempt, _describe, _distributed
+from stratagem.checkpoint._state_layout import Parts
+from stratagem.checkpoint._store import Location
 from stratagem.errors import CheckpointError
 
 
@@ -181,36 +179,58 @@ def release_async_resources(strategy: Any) -> None:
         stager.close()
 
 
-def _save_sharded_in_background(
+def save_full(
+    strategy: Any, destination: Destination, parts: Parts, payload: dict[str, Any], on_published: Any
+) -> PendingSave:
+    """Rank 0 writes the gathered ``payload`` from a thread: what a step changes is copied there, behind a
+    :class:`StepFence`; the rest before returning. A failure (out of memory) is raised by :func:`finish`,
+    everywhere."""
+    pending = PendingSave(destination.location)
+    if not strategy.is_global_zero:
+        return pending
+    stepped = _step_storages(parts)
+    staged, pending.error = _attempt(_cpu_copy, payload, lambda t: _storage(t) not in stepped)
+    del payload
+    if pending.error is not None:
+        return pending
+    fence = pending.fence = StepFence() if stepped else None
+
+    def write_in_background() -> None:
+        try:
+            copy = _cpu_copy(staged, lambda t: _storage(t) in stepped) if stepped else staged
+        finally:
+            if fence is not None:
+                fence.release()
+        _write.full(destination, copy)
+        if on_published is not None:
+            on_published()
+
+    pending.start(write_in_background)
+    return pending
+
+
+def save_sharded(
     strategy: Any,
-    target: Path | str,
-    tmp: Path | str,
+    destination: Destination,
+    staging: Location,
+    parts: Parts,
     tensors: dict[str, Any],
     plain: dict[str, Any],
     meta: dict[str, Any],
     on_published: Any,
-    stepped: set[int],
 ) -> PendingSave:
-    """``dcp.async_save``, which writes the shards in a thread (collectives on a group of their own) from a
-    CPU copy; rank 0 publishes once its future says every rank has written. The shards a step changes are
-    copied by DCP's stager in a thread of its own, behind a :class:`StepFence`; the rest before returning."""
-    import torch.distributed.checkpoint as dcp
-
-    pending = PendingSave(target)
+    """``dcp.async_save`` writes the shards in a thread (collectives on a group of their own) from a CPU copy;
+    rank 0 publishes once its future says every rank has written. The shards a step changes are copied by DCP's
+    stager in a thread of its own, behind a :class:`StepFence`; the rest before returning."""
+    pending = PendingSave(destination.location)
+    stepped = _step_storages(parts)
     plain = _cpu_copy(plain)
     stager = None
     if stepped:
         tensors = _cpu_copy(tensors, lambda t: _storage(t) not in stepped)
         stager = _stager(strategy)
     try:
-        with _single_process_quiet():
-            response = dcp.async_save(
-                tensors,
-                storage_writer=_dcp.writer(tmp),
-                process_group=_async_group(strategy),
-                no_dist=not _distributed(),
-                async_stager=stager,
-            )
+        response = _write.start_shards(staging, tensors, _async_group(strategy), stager)
     except _dcp.ERRORS as error:
         future, failed = None, error
     else:
@@ -233,13 +253,10 @@ def _save_sharded_in_background(
                 future.result()
             except _dcp.ERRORS as error:
                 raise _atomic.WriteError(_dcp.describe(error)) from error
-            _publish_sharded(target, tmp, plain, meta)
+            _write.plain_state(destination, staging, plain)
+            destination.publish(staging, meta)
         except BaseException:
-            if isinstance(tmp, str):
-                with contextlib.suppress(Exception):
-                    _store.remove_tree(tmp)
-            else:
-                _atomic.remove(tmp)
+            destination.discard(staging)
             raise
         if on_published is not None:
             on_published()

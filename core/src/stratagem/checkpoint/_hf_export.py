@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _dcp, _store
+from stratagem.checkpoint import _dcp, _read, _store
 from stratagem.checkpoint._hf_names import resolve_adapter, transformers_prefix, with_prefix
 from stratagem.checkpoint._hf_progress import Progress, agree
 from stratagem.checkpoint._hf_shards import WeightShard, transfers
 from stratagem.checkpoint._hf_write import ExportPlan, Files, companions, plan_export, publish, staging_dir
+from stratagem.checkpoint._read import LocalSource, Source, StoreSource
 from stratagem.checkpoint._safetensors import nbytes, parse_size
-from stratagem.checkpoint._state_layout import detect_format, read_json_metadata, sharded_data
-from stratagem.checkpoint._weights import _layout_weights, _source, layout_strategy, read_plain_state
+from stratagem.checkpoint._weights import _layout_weights, layout_strategy, read_plain_state
 from stratagem.errors import CheckpointError
 
 
@@ -92,9 +92,9 @@ def export_checkpoint(
     recorded). The config and tokenizer files are copied from ``config_from``, else the folder the run started
     from. Returns what was written: files, tensors, bytes, and ``peak_bytes`` held at once.
     """
-    source = _source(checkpoint)
+    source = _read.source(checkpoint)
     target = _store.location(output)
-    record = dict(read_plain_state(source).get("hf") or {})
+    record = dict(read_plain_state(source.location).get("hf") or {})
     to_hf = _names(record, adapter, prefix)
     with _TensorsOf(source, module) as (listing, groups):
         plan = plan_export(listing, to_hf, dict(record.get("tied") or {}), _bytes(max_shard_size))
@@ -152,30 +152,28 @@ class _TensorsOf:
     """``(listing, groups)``: the module's tensors ``(name, shape, dtype)`` in order, and a function that yields
     them in groups ``{name: tensor}``; a context manager, for the scratch copy of a full checkpoint on a store."""
 
-    def __init__(self, source: Path | str, module: str) -> None:
+    def __init__(self, source: Source, module: str) -> None:
         self.source, self.module, self.scratch = source, module, None
 
     def __enter__(self) -> tuple[list[Any], Callable[[ExportPlan], Iterator[dict[str, torch.Tensor]]]]:
-        from stratagem.checkpoint._load import read_full
-
         source = self.source
-        if detect_format(source) == "full":
-            if isinstance(source, str):  # mapped from a local copy, never read whole into memory
+        if source.format() == "full":
+            if isinstance(source, StoreSource):  # mapped from a local copy, never read whole into memory
                 self.scratch = tempfile.mkdtemp(prefix="stratagem-export-")
                 local = Path(self.scratch) / "checkpoint"
-                fs, path = _store.filesystem(source)
+                fs, path = _store.filesystem(source.location)
                 fs.get_file(path, str(local))
-                source = local
-            models = read_full(source).get("model", {})
+                source = LocalSource(local)
+            models = source.read_full().get("model", {})
             if self.module not in models:
                 raise CheckpointError(
-                    self.source, f"has no module {self.module!r}; it holds {sorted(models)}."
+                    self.source.location, f"has no module {self.module!r}; it holds {sorted(models)}."
                 )
             tensors = {k: v for k, v in models[self.module].items() if isinstance(v, torch.Tensor)}
             return _listing(tensors), lambda plan: ({k: v} for k, v in tensors.items())
         strategy = layout_strategy(source)
         if strategy is not None:
-            tensors = _layout_weights(strategy, source, self.module)  # type: ignore[arg-type]
+            tensors = _layout_weights(strategy, source.location, self.module)  # type: ignore[arg-type]
             return _listing(tensors), lambda plan: iter([dict(tensors)])
         return _dcp_tensors(source, self.module)
 
@@ -188,10 +186,10 @@ def _listing(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...
     return [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
 
 
-def _dcp_tensors(source: Path | str, module: str) -> tuple[list[Any], Any]:
+def _dcp_tensors(sharded: Source, module: str) -> tuple[list[Any], Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    data = sharded_data(source, read_json_metadata(source))
+    source, data = sharded.location, sharded.data(sharded.metadata()).location
     index = _dcp.read_metadata(data)
     prefix = f"model.{module}."
     listing = [

@@ -10,49 +10,25 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic, _dcp, _store
+from stratagem.checkpoint import _dcp, _read
 from stratagem.checkpoint._ranks import _distributed, _single_process_quiet
+from stratagem.checkpoint._read import Source
 from stratagem.checkpoint._state_layout import (
-    STATE_FILE,
     Parts,
-    check_metadata,
     classify,
     describe_mismatch,
-    detect_format,
     mismatch_message,
     owner_of,
-    read_json_metadata,
-    sharded_data,
     unpack_per_rank,
 )
 from stratagem.errors import CheckpointError
 
 
-def read_full(path: Path | str) -> dict[str, Any]:
-    """Read a full checkpoint file (or store object) without running any pickled code."""
-    try:
-        if isinstance(path, str):
-            import io
-
-            payload = torch.load(io.BytesIO(_store.read_bytes(path)), map_location="cpu", weights_only=True)
-        else:
-            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:
-        raise CheckpointError(
-            path, f"cannot be read as a stratagem checkpoint (truncated, corrupt, or not one): {error}"
-        ) from error
-    if not isinstance(payload, dict):
-        raise CheckpointError(path, "holds no stratagem checkpoint (the top level is not a dict).")
-    check_metadata(payload.get("stratagem"), path)
-    return payload
-
-
 def load(strategy: Any, path: str | Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-    target = _store.location(path)
-    source = target if isinstance(target, str) else _atomic.recover(target)
-    fmt = detect_format(source)
+    """Load on every rank: fill ``state``'s modules, optimizers and stateful objects; return the rest."""
+    source = _read.source(path)
     parts = classify(state)
-    if fmt == "full":
+    if source.format() == "full":
         return _load_full(strategy, source, parts, strict)
     return _load_sharded(strategy, source, parts, strict)
 
@@ -153,8 +129,9 @@ def _fitting_optimizer_state(
     return {**saved, "state": state, "param_groups": groups}
 
 
-def _load_full(strategy: Any, path: Path | str, parts: Parts, strict: bool) -> dict[str, Any]:
-    payload = read_full(path)
+def _load_full(strategy: Any, source: Source, parts: Parts, strict: bool) -> dict[str, Any]:
+    path = source.location
+    payload = source.read_full()
     models, optimizers = payload.get("model", {}), payload.get("optimizers", {})
     dropped: dict[int, set[str]] = {}
     for key, module in parts.modules.items():
@@ -193,38 +170,12 @@ def saved_tensor_shapes(path: Path | str) -> dict[str, tuple[int, ...]]:
     return _dcp.tensor_shapes(_dcp.read_metadata(path))
 
 
-def read_sharded_state(path: Path | str) -> dict[str, Any]:
-    """The plain state (``state.pt``) of a sharded checkpoint, read without running pickled code.
-
-    ``path``: the directory holding the DCP files (on a store, the data prefix the manifest names)."""
-    try:
-        if isinstance(path, str):
-            import io
-
-            try:
-                raw = _store.read_bytes(_store.join(path, STATE_FILE))
-            except FileNotFoundError:
-                return {}
-            saved = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        else:
-            state_file = path / STATE_FILE
-            if not state_file.exists():
-                return {}
-            saved = torch.load(state_file, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise CheckpointError(
-            path, f"{STATE_FILE} is unreadable or holds more than plain data (refused): {error}"
-        ) from error
-    if not isinstance(saved, dict):
-        raise CheckpointError(path, f"{STATE_FILE} holds a {type(saved).__name__}, not a dict.")
-    return saved
-
-
-def _load_sharded(strategy: Any, path: Path | str, parts: Parts, strict: bool) -> dict[str, Any]:
+def _load_sharded(strategy: Any, source: Source, parts: Parts, strict: bool) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    data = sharded_data(path, read_json_metadata(path))
-    shapes = saved_tensor_shapes(data)
+    path = source.location
+    data = source.data(source.metadata())
+    shapes = saved_tensor_shapes(data.location)
     target: dict[str, Any] = {"model": {}, "optimizers": {}}
     dropped: dict[int, set[str]] = {}
     kept: dict[str, dict[str, Any]] = {}
@@ -257,7 +208,7 @@ def _load_sharded(strategy: Any, path: Path | str, parts: Parts, strict: bool) -
         with _single_process_quiet():
             dcp.load(
                 target,
-                storage_reader=_dcp.safe_reader(data),
+                storage_reader=_dcp.safe_reader(data.location),
                 planner=_dcp.safe_load_planner(allow_partial_load=not strict),
                 no_dist=not _distributed(),
             )
@@ -289,4 +240,4 @@ def _load_sharded(strategy: Any, path: Path | str, parts: Parts, strict: bool) -
                 target["optimizers"][key],
                 full=False,
             )
-    return _restore_plain(strategy, parts, read_sharded_state(data), strict, path)
+    return _restore_plain(strategy, parts, data.read_state(), strict, path)

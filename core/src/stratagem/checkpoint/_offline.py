@@ -17,10 +17,8 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic, _dcp, _store
-from stratagem.checkpoint._load import read_full, read_sharded_state
-from stratagem.checkpoint._publish import write_full
-from stratagem.checkpoint._state_layout import FORMAT_VERSION, detect_format, read_json_metadata, sharded_data
+from stratagem.checkpoint import _dcp, _publish, _read, _store, _write
+from stratagem.checkpoint._state_layout import FORMAT_VERSION
 from stratagem.errors import CheckpointError
 
 # -------------------------------------------------------------------------------------------------
@@ -61,22 +59,22 @@ def _step(state: dict[str, Any]) -> Any:
 
 def inspect(path: str | Path) -> dict[str, Any]:
     """What a checkpoint holds: format, strategy, world size, step, tensors (name, shape, dtype), sizes."""
-    source = _source(path)
-    fmt = detect_format(source)
+    source = _read.source(path)
+    fmt = source.format()
     if fmt == "full":
-        payload = read_full(source)
+        payload = source.read_full()
         meta = payload["stratagem"]
         state = payload.get("state", {})
         tensors = _tensors(
             {"model": payload.get("model", {}), "optimizers": payload.get("optimizers", {})}, ""
         )
         tensors += _tensors(state, "state")
-        on_disk = _store.size(source) if isinstance(source, str) else source.stat().st_size
+        on_disk = source.bytes_on_disk()
     else:
-        meta = read_json_metadata(source)
-        data = sharded_data(source, meta)
-        index = _dcp.read_metadata(data)
-        state = read_sharded_state(data)
+        meta = source.metadata()
+        data = source.data(meta)
+        index = _dcp.read_metadata(data.location)
+        state = data.read_state()
         tensors = []
         for key, item in sorted(index.state_dict_metadata.items()):
             if hasattr(item, "size"):
@@ -84,12 +82,9 @@ def inspect(path: str | Path) -> dict[str, Any]:
                 nbytes = math.prod(item.size) * torch.empty((), dtype=dtype).element_size()
                 tensors.append((key, tuple(item.size), str(dtype).replace("torch.", ""), nbytes))
         tensors += _tensors(state, "state")
-        if isinstance(source, str):
-            on_disk = _store.tree_size(data) + _store.size(_store.join(source, "stratagem.json"))
-        else:
-            on_disk = sum(f.stat().st_size for f in source.rglob("*") if f.is_file())
+        on_disk = source.bytes_on_disk(data)
     return {
-        "path": str(source),
+        "path": str(source.location),
         "format": fmt,
         "format_version": meta.get("format_version"),
         "strategy": meta.get("strategy"),
@@ -116,11 +111,6 @@ def _mapped_empty(file: Path, size: tuple[int, ...], dtype: torch.dtype) -> torc
     return torch.from_file(str(file), shared=True, size=numel, dtype=dtype).view(size)
 
 
-def _source(path: str | Path) -> Path | str:
-    where = _store.location(path)
-    return where if isinstance(where, str) else _atomic.recover(where)
-
-
 def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path | None = None) -> Path | str:
     """Write the sharded checkpoint ``source`` as a full checkpoint file ``output``.
 
@@ -134,12 +124,13 @@ def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path 
 
     from stratagem.registry._version import __version__
 
-    source, output = _source(source), _store.location(output)
-    if detect_format(source) != "sharded":
+    sharded, output = _read.source(source), _store.location(output)
+    source = sharded.location
+    if sharded.format() != "sharded":
         raise CheckpointError(source, "is a file (a full checkpoint already); consolidate takes a directory.")
-    meta = read_json_metadata(source)
-    data = sharded_data(source, meta)
-    index = _dcp.read_metadata(data)
+    meta = sharded.metadata()
+    data = sharded.data(meta)
+    index = _dcp.read_metadata(data.location)
     if isinstance(output, str):
         if _store.exists(_store.join(output, "stratagem.json")):
             raise CheckpointError(
@@ -167,7 +158,7 @@ def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path 
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(
                     flat,
-                    storage_reader=_dcp.safe_reader(data),
+                    storage_reader=_dcp.safe_reader(data.location),
                     planner=_dcp.safe_load_planner(flatten_state_dict=False, flatten_sharded_tensors=False),
                     no_dist=True,
                 )
@@ -188,10 +179,10 @@ def consolidate(source: str | Path, output: str | Path, scratch_dir: str | Path 
             },
             "model": nested.get("model", {}),
             "optimizers": nested.get("optimizers", {}),
-            "state": read_sharded_state(data),
+            "state": data.read_state(),
         }
         try:
-            write_full(output, payload)
+            _write.full(_publish.destination(output), payload)
         except Exception as error:
             raise CheckpointError(output, f"could not be written: {type(error).__name__}: {error}") from error
         del payload, nested, flat

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from stratagem.checkpoint._state_layout import (
@@ -24,7 +25,29 @@ from stratagem.checkpoint._state_layout import (
 from stratagem.errors import CheckpointError
 
 
-def _agree(strategy: Any, path: Path, error: BaseException | None) -> None:
+@attrs.frozen
+class Agreement:
+    """The end of each phase of a save: every rank leaves a ``with agreement:`` block together, and if the block
+    raised on any rank, every rank raises the same CheckpointError, naming each failing rank's error.
+
+    Leaving the block is a collective: every rank enters it, whether it has work there or not. A rank that
+    fails skips the rest of its block, so a block holds work that fails alone before any collective of its own.
+    """
+
+    strategy: Any
+    path: Path | str
+
+    def __enter__(self) -> Agreement:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        if error is not None and not isinstance(error, Exception):
+            return False  # an interrupt ends this rank here as anywhere else
+        _agree(self.strategy, self.path, error)
+        return False
+
+
+def _agree(strategy: Any, path: Path | str, error: BaseException | None) -> None:
     """Raise the same CheckpointError on every rank if any rank failed, naming each failing rank's error.
 
     Every rank must call this at the same point: it is a collective.

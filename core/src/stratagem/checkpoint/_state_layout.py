@@ -11,7 +11,6 @@ LR schedulers, a gradient scaler, a sampler) and plain values. A checkpoint stor
 
 from __future__ import annotations
 
-import json
 import platform
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,9 @@ FORMAT_VERSION = 1
 METADATA_FILE = "stratagem.json"
 #: The file of a sharded checkpoint directory that holds its plain state (step, RNG states, extras).
 STATE_FILE = "state.pt"
+#: On an object store a sharded checkpoint's files are under ``<checkpoint>/<DATA_PREFIX><id>/``, and its
+#: ``stratagem.json`` (the manifest, written last) names the one in use.
+DATA_PREFIX = "data-"
 _PER_RANK = "__stratagem_per_rank__"
 
 
@@ -178,84 +180,6 @@ def check_metadata(meta: Any, path: Path) -> dict[str, Any]:
             "Upgrade stratagem to load it.",
         )
     return meta
-
-
-def read_json_metadata(directory: Path | str) -> dict[str, Any]:
-    """The ``stratagem.json`` of a sharded checkpoint (on a store: its manifest, written last)."""
-    from stratagem.checkpoint import _store
-
-    kind = "prefix" if isinstance(directory, str) else "directory"
-    missing = CheckpointError(
-        directory,
-        f"is a {kind} without {METADATA_FILE}: not a complete stratagem sharded checkpoint (an interrupted "
-        "save never publishes one under the final name; check the path).",
-    )
-    try:
-        if isinstance(directory, str):
-            text = _store.read_bytes(_store.join(directory, METADATA_FILE)).decode()
-        else:
-            file = directory / METADATA_FILE
-            if not file.is_file():
-                raise missing
-            text = file.read_text()
-    except FileNotFoundError as error:
-        raise missing from error
-    except CheckpointError:
-        raise
-    except Exception as error:
-        raise CheckpointError(directory, f"{METADATA_FILE} is unreadable: {error}") from error
-    try:
-        meta = json.loads(text)
-    except ValueError as error:
-        raise CheckpointError(directory, f"{METADATA_FILE} is unreadable: {error}") from error
-    return check_metadata(meta, directory)
-
-
-def sharded_data(directory: Path | str, meta: dict[str, Any]) -> Path | str:
-    """Where a sharded checkpoint's DCP files are: the directory itself, or on a store the data prefix that
-    its manifest names."""
-    if not isinstance(directory, str):
-        return directory
-    from stratagem.checkpoint import _store
-
-    data = meta.get("data")
-    if not isinstance(data, str) or not data.startswith(_store.DATA_PREFIX) or "/" in data:
-        raise CheckpointError(
-            directory, f"its {METADATA_FILE} names no data prefix; it is not a stratagem manifest."
-        )
-    return _store.join(directory, data)
-
-
-def detect_format(path: Path | str) -> str:
-    if isinstance(path, str):
-        return _detect_remote_format(path)
-    if path.is_dir():
-        return "sharded"
-    if path.is_file():
-        return "full"
-    raise CheckpointError(path, "does not exist. Pass the path of a checkpoint file or directory.")
-
-
-def _detect_remote_format(url: str) -> str:
-    from stratagem.checkpoint import _store
-
-    try:
-        if _store.is_file(url):
-            return "full"
-        if _store.exists(_store.join(url, METADATA_FILE)):
-            return "sharded"
-        present = _store.exists(url)
-    except CheckpointError:
-        raise
-    except Exception as error:
-        raise CheckpointError(url, f"cannot be read: {_store.describe_error(url, error)}") from error
-    if present:
-        raise CheckpointError(
-            url,
-            f"holds objects but no {METADATA_FILE} manifest: not a complete checkpoint (a save that did not "
-            "finish publishes nothing). Pass the URL of a published checkpoint.",
-        )
-    raise CheckpointError(url, "does not exist. Pass the URL of a checkpoint object or prefix.")
 
 
 def describe_mismatch(

@@ -1,9 +1,8 @@
 """Checkpoint locations: local paths, or object-store URLs reached through fsspec.
 
 A location is a :class:`~pathlib.Path` (a local path, or a ``file://`` URL turned into one) or a ``str``
-URL of an object store (``s3://``, ``gs://``, ``az://``, ``memory://``). Local paths keep the rename-based
-atomic protocol of :mod:`stratagem.checkpoint._atomic`; stores have no rename, so a checkpoint there is
-published by writing its last object (see docs/checkpoints.md, "Object stores").
+URL of an object store (``s3://``, ``gs://``, ``az://``, ``memory://``). How a save is published at either is
+:mod:`stratagem.checkpoint._publish`'s (see docs/checkpoints.md, "Atomic publication").
 
 fsspec and the store's package are imported on first use of a URL only, never at ``import stratagem``.
 """
@@ -13,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,11 +30,6 @@ SCHEMES: dict[str, tuple[str | None, str | None]] = {
     "abfss": ("adlfs", "azure"),
     "memory": (None, None),
 }
-
-#: The manifest of a sharded checkpoint on a store, written last: its presence publishes the checkpoint.
-MANIFEST = "stratagem.json"
-#: Sharded data lives under ``<checkpoint>/<DATA_PREFIX><id>/``; the manifest names the one in use.
-DATA_PREFIX = "data-"
 
 Location = Path | str
 
@@ -202,10 +195,6 @@ def upload(url: str) -> Iterator[Path]:
         yield scratch
         fs, path = filesystem(url)
         fs.put_file(str(scratch), path)
-
-
-def new_data_prefix() -> str:
-    return f"{DATA_PREFIX}{uuid.uuid4().hex[:12]}"
 
 
 def describe_error(url: str, error: BaseException) -> str:

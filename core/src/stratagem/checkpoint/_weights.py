@@ -12,23 +12,17 @@ from typing import Any
 
 import torch
 
-from stratagem.checkpoint import _atomic, _dcp, _store
-from stratagem.checkpoint._load import read_full, read_sharded_state
-from stratagem.checkpoint._state_layout import detect_format, read_json_metadata, sharded_data
+from stratagem.checkpoint import _dcp, _read
+from stratagem.checkpoint._read import LocalSource, Source
 from stratagem.errors import CheckpointError
 
 
-def _source(path: str | os.PathLike[str]) -> Path | str:
-    where = _store.location(path)
-    return where if isinstance(where, str) else _atomic.recover(where)
-
-
-def layout_strategy(source: Path | str) -> Any:
+def layout_strategy(source: Source) -> Any:
     """The class of the strategy that wrote ``source`` in a layout of its own (``stratagem.json`` names the
     ``layout``), or ``None`` for stratagem's own formats. Such layouts live on local disks."""
-    if isinstance(source, str) or not source.is_dir():
+    if not isinstance(source, LocalSource) or not source.location.is_dir():
         return None
-    meta = read_json_metadata(source)
+    meta = source.metadata()
     layout = meta.get("layout")
     if not layout:
         return None
@@ -39,7 +33,7 @@ def layout_strategy(source: Path | str) -> Any:
         return get_registry().get(strategy).resolve_factory()
     except Exception as error:
         raise CheckpointError(
-            source,
+            source.location,
             f"is a {layout!r}-layout checkpoint of strategy {strategy!r}, which cannot be loaded here to read "
             f"it: {error}",
         ) from error
@@ -47,35 +41,35 @@ def layout_strategy(source: Path | str) -> Any:
 
 def read_plain_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The plain entries of a checkpoint's state (``progress``, ``hyperparameters``, ...)."""
-    source = _source(path)
-    if detect_format(source) == "full":
-        state = read_full(source).get("state", {})
+    source = _read.source(path)
+    if source.format() == "full":
+        state = source.read_full().get("state", {})
         return state if isinstance(state, dict) else {}
-    meta = read_json_metadata(source)
+    meta = source.metadata()
     if meta.get("layout"):
-        return read_sharded_state(source)
-    return read_sharded_state(sharded_data(source, meta))
+        return source.read_state()
+    return source.data(meta).read_state()
 
 
 def read_module_weights(path: str | os.PathLike[str], key: str = "model") -> dict[str, torch.Tensor]:
     """The whole tensors of module ``key`` of the checkpoint at ``path``, on CPU, by parameter name."""
-    source = _source(path)
-    if detect_format(source) == "full":
-        models = read_full(source).get("model", {})
+    source = _read.source(path)
+    if source.format() == "full":
+        models = source.read_full().get("model", {})
         if key not in models:
-            raise CheckpointError(source, f"has no module {key!r}; it holds {sorted(models)}.")
+            raise CheckpointError(source.location, f"has no module {key!r}; it holds {sorted(models)}.")
         return dict(models[key])
     strategy = layout_strategy(source)
     if strategy is not None:
-        return _layout_weights(strategy, source, key)
+        return _layout_weights(strategy, source.location, key)
     return _dcp_weights(source, key)
 
 
-def _dcp_weights(source: Path | str, key: str) -> dict[str, torch.Tensor]:
+def _dcp_weights(sharded: Source, key: str) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    data = sharded_data(source, read_json_metadata(source))
+    source, data = sharded.location, sharded.data(sharded.metadata()).location
     index = _dcp.read_metadata(data)
     prefix = f"model.{key}."
     flat: dict[str, Any] = {
@@ -119,7 +113,7 @@ def _layout_weights(strategy: Any, source: Path, key: str) -> dict[str, torch.Te
     with tempfile.TemporaryDirectory(prefix="stratagem-weights-") as scratch:
         output = Path(scratch) / "full.ckpt"
         consolidate(source, output)
-        models = read_full(output).get("model", {})
+        models = LocalSource(output).read_full().get("model", {})
     if key not in models:
         raise CheckpointError(source, f"has no module {key!r}; it holds {sorted(models)}.")
     return dict(models[key])

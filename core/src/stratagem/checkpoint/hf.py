@@ -32,8 +32,8 @@ __all__ = ["Fused", "HFWeights", "Slice", "WeightShard", "export_checkpoint", "l
 
 
 def _shards(engine: Any, model: torch.nn.Module, purpose: str) -> list[WeightShard]:
-    # The Engine's typed hook caller: add-ons wrapped around the strategy see the call too.
-    return engine._hooks.weight_shards(model, purpose)
+    # Through the Engine's hook caller: add-ons wrapped around the strategy see the call too.
+    return engine.weight_shards(model, purpose)
 
 
 def load_weights(

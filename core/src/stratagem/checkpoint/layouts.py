@@ -18,11 +18,11 @@ from stratagem.checkpoint._atomic import (
     temporary_sibling,
 )
 from stratagem.checkpoint._load import _restore_plain as restore_plain
-from stratagem.checkpoint._load import read_sharded_state
 from stratagem.checkpoint._ranks import _agree as agree
 from stratagem.checkpoint._ranks import _attempt as attempt
 from stratagem.checkpoint._ranks import _gather_per_rank as gather_per_rank
 from stratagem.checkpoint._ranks import _local_state as local_state
+from stratagem.checkpoint._read import read_json_metadata, read_sharded_state
 from stratagem.checkpoint._state_layout import (
     FORMAT_VERSION,
     METADATA_FILE,
@@ -30,7 +30,6 @@ from stratagem.checkpoint._state_layout import (
     Parts,
     metadata,
     owner_of,
-    read_json_metadata,
 )
 from stratagem.checkpoint._state_layout import classify as split_state
 

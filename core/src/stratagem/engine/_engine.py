@@ -1,34 +1,30 @@
-"""``stratagem.Engine``: the strategy's operations for a hand-written loop (the Trainer is built on it)."""
+"""``stratagem.Engine``: the strategy's operations for a hand-written loop (the Trainer is built on it), each
+done by a part that the Engine makes with what it needs (see docs/architecture.md); no part calls the Engine."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ContextManager
 
 import torch
 
-from stratagem.engine import _strategy_choice
-from stratagem.engine._checkpoint_io import Checkpoints
-from stratagem.engine._defaults import DEFAULT_TIMEOUT_S, STRATEGY_ENV
-from stratagem.engine._init_weights import wrap_and_load
-from stratagem.engine._launching import Launching
-from stratagem.engine._model_setup import Compiling
-from stratagem.engine._strategy_optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer
-from stratagem.engine._training_steps import Steps
+from stratagem.engine._batch_steps import BatchSteps
+from stratagem.engine._checkpoint_io import CheckpointIO
+from stratagem.engine._defaults import DEFAULT_TIMEOUT_S
+from stratagem.engine._launching import Launching, run_here
+from stratagem.engine._model_setup import ModelSetup
+from stratagem.engine._strategy_optimizer import StrategyOptimizer, _unwrap
+from stratagem.engine._strategy_runtime import StrategyRuntime, make_request
 from stratagem.engine.seed import seed_everything
-from stratagem.errors import ConfigurationError
-from stratagem.launchers import _worker_start
 from stratagem.launchers import cluster as cluster_mod
-from stratagem.registry._labels import parse_label
-from stratagem.registry._manager import StrategyHooks, get_registry, installed_plugins
 from stratagem.strategies.base import Strategy
-from stratagem.strategies.precision import normalize
+from stratagem.strategies.compiling import CompileOptions
+from stratagem.strategies.step import StepOutput
 
 
-class Engine(Launching, Checkpoints, Compiling, Steps):
+class Engine:
     """Run a training loop under a strategy chosen by name.
 
     :param strategy: a registered name (``"ddp"``, ``"fsdp"``, ...), the same with options
@@ -63,176 +59,91 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         launcher: Any = "auto",
         launcher_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(devices, int) or devices < 1:
-            raise ConfigurationError(f"devices={devices!r}: give a positive number of processes per node.")
-        if not isinstance(num_nodes, int) or num_nodes < 1:
-            raise ConfigurationError(f"num_nodes={num_nodes!r}: give a positive number of nodes.")
-        self._config = dict(
-            strategy=strategy,
-            accelerator=accelerator,
-            devices=devices,
-            num_nodes=num_nodes,
-            precision=precision,
-            timeout=timeout,
-            addons=tuple(addons),
-            max_restarts=max_restarts,
-            launcher=launcher,
-            launcher_options=dict(launcher_options or {}),
-        )
-        _worker_start.check_max_restarts(max_restarts)
-        self.max_restarts = max_restarts
-        self.accelerator = cluster_mod.resolve_accelerator(accelerator)
-        self.precision = normalize(precision)
-        self.devices, self.num_nodes, self.timeout = devices, num_nodes, float(timeout)
-        self._source = cluster_mod.launched_externally()
-        if self._source is not None:
-            # Record an uncaught exception for the launcher from the start, not only once training begins.
-            _worker_start.install_worker_excepthook()
-        self._check_devices()
-        self.world_size_requested = self._expected_world_size()
-        if self._source == "slurm":
-            _worker_start.set_task_threads(self.accelerator)
-        self._addons = tuple(addons)
-        self._strategy_options: dict[str, Any] = {}  # a name's options, "fsdp_tp[tensor_parallel_size=2]"
-        self._strategy_info, self._strategy = self._resolve_strategy(strategy)
-        auto = strategy == "auto" if isinstance(strategy, str) else False  # planned at fit: choose_strategy
-        self.plans_auto = auto and self.world_size_requested > 1 and not os.environ.get(STRATEGY_ENV)
-        self._launcher_choice = launcher
-        if self.needs_launch:
-            # Checked before anything starts: the name exists, and it can run this request.
-            self._launcher = self._resolve_launcher(launcher, dict(launcher_options or {}))
-        self._hooks_cache: StrategyHooks | None = None
-        if not self.needs_launch:
+        # What workers rebuild this Engine from: the arguments (read first, while locals() holds only them).
+        self._config = {name: value for name, value in locals().items() if name != "self"}
+        self._config.update(addons=tuple(addons), launcher_options=dict(launcher_options or {}))
+        request = make_request(accelerator, precision, devices, num_nodes, timeout, max_restarts)
+        self.accelerator, self.precision = request.accelerator, request.precision
+        self.devices, self.num_nodes, self.timeout = request.devices, request.num_nodes, request.timeout
+        self.max_restarts, self.world_size_requested = max_restarts, request.world_size
+        self._runtime = StrategyRuntime(strategy, request, tuple(addons))
+        self._launching = Launching(request, self._config, engine_class=type(self))
+        if not request.needs_launch:
             # A process that only launches workers never uses the strategy: importing it (a plugin and
             # what it imports) would only delay the workers' start.
-            _ = self._hooks
-        self._environment_ready = False
-        self._models: list[torch.nn.Module] = []
-        self._pending_save: Any = None
+            _ = self._runtime.hooks
+        self._models = ModelSetup(self._runtime)
+        self._batches = BatchSteps(self._runtime, self._models)
+        self._checkpoints = CheckpointIO(self._runtime)
 
     # construction ----------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        # Workers rebuild the engine from its arguments; the plugin manager does not travel.
+        # The arguments alone: the plugin manager does not travel.
         return {"config": self._config}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state["config"])  # type: ignore[misc]
 
-    def _check_devices(self) -> None:
-        if self.accelerator == "cuda" and self._source is None:
-            available = torch.cuda.device_count()
-            if self.devices > available:
-                raise ConfigurationError(
-                    f"devices={self.devices} but this machine has {available} CUDA device(s). "
-                    f"Use devices<={available}, or accelerator='cpu' to run {self.devices} CPU processes."
-                )
-
-    def _expected_world_size(self) -> int:
-        if self._source is not None:
-            env = cluster_mod.detect(
-                accelerator=self.accelerator,
-                devices=self.devices,
-                num_nodes=self.num_nodes,
-                timeout_s=self.timeout,
-            )
-            return env.world_size
-        return self.devices * self.num_nodes
-
     @property
     def strategy(self) -> Strategy:
-        if self._strategy is None:
-            self._strategy = self._strategy_info.create(**self._strategy_options)
-        return self._strategy
+        return self._runtime.strategy
 
     @property
     def strategy_name(self) -> str:
         """The strategy's name, without creating it."""
-        return self._strategy.name if self._strategy is not None else self._strategy_info.name
-
-    @property
-    def _hooks(self) -> StrategyHooks:
-        if self._hooks_cache is None:
-            addons = [*installed_plugins(), *self._addons] if self._addons else None
-            self._hooks_cache = StrategyHooks(self.strategy, addons=addons)
-        return self._hooks_cache
-
-    def _resolve_strategy(self, strategy: str | Strategy) -> tuple[Any, Strategy | None]:
-        """The registry's entry for the strategy (checked against the request) and the instance, if given."""
-        registry = get_registry()
-        if isinstance(strategy, Strategy):
-            info = _strategy_choice.info_for_instance(strategy)
-            if info is not None:
-                self._check(info.name)
-            return info, strategy
-        if not isinstance(strategy, str):
-            raise ConfigurationError(f"strategy={strategy!r}: give a registered name or a Strategy instance.")
-        name = strategy
-        if name == "auto":
-            name = os.environ.get(STRATEGY_ENV) or self._auto_name(registry)
-        if "[" in name:
-            name, self._strategy_options = parse_label(name, f"strategy={name!r}")
-        return self._check(name), None
-
-    def choose_strategy(self, workload: Any) -> Any:
-        """``strategy="auto"`` on several processes, before set-up: the strategy a plan of ``workload`` (a
-        ``stratagem.planning.Workload``) finds fitting with the least communication, said in one line."""
-        choice = _strategy_choice.choose(workload, self)
-        self._config["strategy"] = choice.strategy.name  # what workers built from this engine run
-        if self.needs_launch:  # workers that re-run the script take it as `stratagem run --strategy` gives it
-            os.environ[STRATEGY_ENV] = choice.strategy.name
-        self._strategy_info, self._strategy = self._resolve_strategy(choice.strategy.name)
-        self._hooks_cache, self.plans_auto = None, False
-        return choice
-
-    def _auto_name(self, registry: Any) -> str:
-        request = dict(accelerator=self.accelerator, precision=self.precision)
-        return registry.auto(world_size=self.world_size_requested, **request).name
-
-    def _check(self, name: str) -> Any:
-        return get_registry().check_request(
-            name, accelerator=self.accelerator, precision=self.precision, world_size=self.world_size_requested
-        )
+        return self._runtime.name
 
     @property
     def capabilities(self) -> Any:
-        info = (
-            self._strategy_info
-            if self._strategy_info is not None
-            else _strategy_choice.info_for_instance(self.strategy)
-        )
-        return None if info is None else info.capabilities
+        return self._runtime.capabilities
+
+    @property
+    def plans_auto(self) -> bool:
+        """``strategy="auto"`` on several processes: the strategy is chosen at ``fit``, by a plan of the model."""
+        return self._runtime.plans_auto
+
+    def choose_strategy(self, workload: Any) -> Any:
+        """For :attr:`plans_auto`, before set-up: the strategy a plan of ``workload`` (a
+        ``stratagem.planning.Workload``) finds fitting with the least communication, said in one line."""
+        return self._runtime.choose(workload, self._config)
 
     def setup_environment(self) -> None:
         """Join the process group and select the device (done on first use otherwise)."""
-        if self._environment_ready:
-            return
+        self._runtime.setup_environment()
+
+    # launching -------------------------------------------------------------------------------------
+    @property
+    def needs_launch(self) -> bool:
+        """True in the process the user started when more than one process is wanted and none exist yet."""
+        return self._runtime.request.needs_launch
+
+    def supervise(self, **job: Any) -> None:
+        """Re-run this very command in the workers, then end this process with their status (it only
+        supervises: the rest of the script ran in the workers). ``job``: more fields of the
+        :class:`~stratagem.launchers.LaunchJob` (the Trainer's preemption settings)."""
+        self._launching.supervise(**job)
+
+    def launch(self, fn: Callable[..., Any] | None = None, *args: Any) -> Any:
+        """Run ``fn(engine, *args)`` in every process and return rank 0's result.
+
+        With nothing launched yet and ``devices > 1``, starts the workers with torch's elastic agent. A
+        function that pickles (defined at module level) is sent to them with its arguments. Any other callable
+        (a lambda, a closure, a ``functools.partial`` of a local) works from a script: the workers run the
+        script again and call ``fn`` when they reach this ``launch``, so the script must reach its ``launch``
+        calls in the same order on every run. Either way the workers end after ``fn``, and this process
+        continues with rank 0's result. Under torchrun, SLURM or ``stratagem run`` the processes exist already
+        and ``fn`` runs here. Without ``fn``, the script itself is re-run in the workers and this process exits
+        with their status when they are done.
+        """
         if self.needs_launch:
-            raise ConfigurationError(
-                f"This Engine wants {self.world_size_requested} processes but runs in one. Call "
-                "engine.launch(fn) (or engine.launch() to re-run this script), or start it with torchrun or "
-                "`stratagem run --devices N script.py`."
-            )
-        _worker_start.install_worker_excepthook()
-        env = cluster_mod.detect(
-            accelerator=self.accelerator,
-            devices=self.devices,
-            num_nodes=self.num_nodes,
-            timeout_s=self.timeout,
-        )
-        if self._source is not None and env.local_world_size != self.devices and self.devices != 1:
-            warnings.warn(
-                f"devices={self.devices}, but the launcher started {env.local_world_size} processes per node; "
-                "using the launcher's count.",
-                stacklevel=3,
-            )
-        self._hooks.setup_environment(env, self.precision)
-        self._environment_ready = True
+            return self._launching.launch(fn, args)
+        return run_here(self, fn, args)
 
     # properties ------------------------------------------------------------------------------------
     @property
     def cluster(self) -> cluster_mod.ClusterEnvironment:
         self.setup_environment()
-        return self.strategy.cluster
+        return self._runtime.strategy.cluster
 
     @property
     def rank(self) -> int:
@@ -258,33 +169,28 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
 
     @property
     def device(self) -> torch.device:
-        return (
-            self.strategy.device
-            if self._environment_ready
-            else torch.device("cuda" if self.accelerator == "cuda" else "cpu")
-        )
+        return self._runtime.device
 
     @property
     def data_parallel_size(self) -> int:
         """Replicas the data is dealt among (the sampler's ``num_replicas``): the world size, or fewer where
         ranks share their batches (tensor-parallel, pipeline)."""
-        self.setup_environment()
-        return int(self._hooks.distributed_sampler_kwargs()["num_replicas"])
+        return int(self._runtime.joined().distributed_sampler_kwargs()["num_replicas"])
 
     @property
     def device_mesh(self) -> Any:
         """The strategy's ``DeviceMesh`` (``hsdp``, ``tp``, ``fsdp_tp`` own one), or ``None`` for a strategy
         without a mesh. The core only hands it on; what its dimensions mean is the strategy's to document."""
         self.setup_environment()
-        return getattr(self.strategy, "device_mesh", None)
+        return getattr(self._runtime.strategy, "device_mesh", None)
 
     # model -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def init_module(self, empty_init: bool = False) -> Iterator[None]:
         """Build the model in here: on the device, in the parameter dtype, on the meta device if
         ``empty_init`` and the strategy materialises it, with ``stratagem.wrap`` sharding submodules."""
-        self.setup_environment()
-        with self._hooks.model_init_context(empty_init), self._hooks.model_sharded_context():
+        hooks = self._runtime.joined()
+        with hooks.model_init_context(empty_init), hooks.model_sharded_context():
             yield
 
     def setup(
@@ -298,102 +204,191 @@ class Engine(Launching, Checkpoints, Compiling, Steps):
         wrapping; each repeated block once by default. ``None`` takes ``STRATAGEM_COMPILE`` (``stratagem run
         --compile``), if set. A model wrapped by ``torch.compile`` already is unwrapped and compiled there.
         """
-        names = {id(p): _clean_name(n) for n, p in model.named_parameters()}
-        wrapped = self.setup_module(model, compile=compile, init_weights=init_weights)
-        if not optimizers:
-            return wrapped
-        for optimizer in optimizers:
-            if getattr(optimizer, "state", None) and any(optimizer.state.values()):
-                raise ConfigurationError(
-                    "Engine.setup() got an optimizer that has taken steps already; set up before training."
-                )
-            if any(
-                id(p) not in {id(q) for q in wrapped.parameters()}
-                for group in optimizer.param_groups
-                for p in group["params"]
-            ):
-                _rebind_optimizer(optimizer, names, wrapped)
-        return (wrapped, *self.setup_optimizers(wrapped, *optimizers))
+        return self._models.setup(model, optimizers, compile, init_weights)
 
     def setup_module(
         self, model: torch.nn.Module, compile: Any = None, init_weights: Any = None
     ) -> torch.nn.Module:
         """Wrap the model alone (``compile`` as in :meth:`setup`). ``init_weights``: Hugging Face weights to fill
         it with, each rank reading only its parts (a path, URL or ``HFWeights``; docs/hugging-face.md)."""
-        self.setup_environment()
-        wrapped = wrap_and_load(self, model, init_weights, lambda: self._wrap(model, compile))
-        self._models.append(wrapped)
-        return wrapped
+        return self._models.setup_module(model, compile, init_weights)
 
     def setup_optimizers(self, model: torch.nn.Module, *optimizers: Any) -> list[StrategyOptimizer]:
-        if not optimizers and not getattr(self.strategy, "provides_optimizer", False):
-            raise ConfigurationError(
-                "setup_optimizers() needs at least one optimizer (none only where the strategy's own "
-                "configuration defines it)."
-            )
-        prepared = self._hooks.setup_optimizers(model, list(optimizers))
-        return [StrategyOptimizer(opt, self._hooks, model) for opt in prepared]
+        return self._models.setup_optimizers(model, optimizers)
+
+    def resolve_compile(self, compile: Any) -> CompileOptions | None:
+        """``compile=`` checked (``None``: ``STRATAGEM_COMPILE`` if set, else no compile), and allowed by the
+        strategy's declared capabilities."""
+        return self._models.resolve_compile(compile)
+
+    @property
+    def compiled_regions(self) -> list[str]:
+        """The regions the last ``setup``/``setup_module`` compiled ("" for a whole module); empty without
+        compile."""
+        return self._models.compiled_regions
 
     def setup_dataloaders(self, *loaders: Any, use_distributed_sampler: bool = True, seed: int = 0) -> Any:
         """Give each loader that takes its data in order or shuffled an
         :class:`~stratagem.engine.sampler.EpochSampler` (this rank's share of one order per epoch, drawn from
         ``seed`` and the epoch); return them. A sampler of the user's own is left alone."""
-        from stratagem.engine.data import distribute_loader
-
         self.setup_environment()
-        kwargs = self._hooks.distributed_sampler_kwargs()
-        result = [
-            distribute_loader(loader, kwargs, seed=seed) if use_distributed_sampler else loader
-            for loader in loaders
-        ]
-        return result[0] if len(result) == 1 else result
+        return self._runtime.distribute(loaders, use_distributed_sampler, seed)
 
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """This process's share of the data: ``{"num_replicas": ..., "rank": ...}`` over the data-parallel
         ranks (tensor-parallel peers share one)."""
-        self.setup_environment()
-        return dict(self._hooks.distributed_sampler_kwargs())
+        return dict(self._runtime.joined().distributed_sampler_kwargs())
 
+    # steps -----------------------------------------------------------------------------------------
     def forward_context(self) -> ContextManager[None]:
-        return self._hooks.forward_context()
+        return self._runtime.hooks.forward_context()
 
     autocast = forward_context
 
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None = None) -> None:
+        self._runtime.hooks.backward(loss, self._models.model_for(model))
+
+    def clip_gradients(self, model: torch.nn.Module, optimizer: Any, max_norm: float) -> torch.Tensor:
+        return self._runtime.hooks.clip_gradients(model, _unwrap(optimizer), float(max_norm))
+
+    def no_sync(self, model: torch.nn.Module | None = None, enabled: bool = True) -> ContextManager[None]:
+        """Skip gradient synchronisation inside the block (accumulation steps) when ``enabled``."""
+        if not enabled:
+            return contextlib.nullcontext()
+        return self._runtime.hooks.no_sync(self._models.model_for(model))
+
+    def train_batch(
+        self,
+        model: torch.nn.Module | None,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        loss_scale: float = 1.0,
+    ) -> StepOutput:
+        """Forward and backward of one batch under any strategy; returns its loss (detached).
+
+        ``inputs``: the model's positional arguments (a tuple; anything else is the only argument), their
+        first dimension the batch. ``loss_fn(outputs, targets)`` returns the batch's mean loss. Gradients are
+        those of ``loss_scale`` times the loss (``1 / accumulation`` when accumulating), added to ``.grad``.
+        Under a pipeline, pass the same batch on every rank of the pipeline: the first stage reads the
+        inputs, the last the targets, and the loss comes back on every rank. ``outputs`` of the result are
+        the model's outputs where this rank has them (under a pipeline, on the last stage only).
+        """
+        return self._batches.train_batch(model, inputs, targets, loss_fn, loss_scale)
+
+    def eval_batch(
+        self,
+        model: torch.nn.Module | None,
+        inputs: Any,
+        targets: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    ) -> StepOutput:
+        """Forward only (no gradients) of one batch under any strategy; the loss when ``loss_fn`` and
+        ``targets`` are given. The model's train/eval mode is the caller's to set."""
+        return self._batches.eval_batch(model, inputs, targets, loss_fn)
+
+    # the hooks themselves, for loops with an ordinary path of their own (the Trainer) -------------
+    def check_batch_size(self, batch_size: int) -> None:
+        """Let the strategy refuse a per-process batch size before the first batch."""
+        self._runtime.hooks.check_batch_size(batch_size)
+
+    def run_training_batch(
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        batch_idx: int,
+        split_batch: Callable[[Any], tuple[tuple[Any, ...], Any]],
+        compute_loss: Callable[[Any, Any], torch.Tensor],
+        loss_scale: float = 1.0,
+    ) -> StepOutput | None:
+        """The strategy's own forward and backward of ``batch``, or ``None``: run the ordinary path then."""
+        return self._runtime.hooks.run_training_batch(
+            model, batch, batch_idx, split_batch, compute_loss, loss_scale
+        )
+
+    def run_evaluation_batch(
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        batch_idx: int,
+        split_batch: Callable[[Any], tuple[tuple[Any, ...], Any]],
+        compute_loss: Callable[[Any, Any], torch.Tensor] | None,
+        stage: str,
+    ) -> StepOutput | None:
+        """The strategy's own forward-only run of ``batch``, or ``None``: call the ``*_step`` then."""
+        return self._runtime.hooks.run_evaluation_batch(
+            model, batch, batch_idx, split_batch, compute_loss, stage
+        )
+
+    def weight_shards(self, model: torch.nn.Module, purpose: str) -> list[Any]:
+        """The parts of ``model``'s tensors this rank holds (the ``weight_shards`` hook, through any add-ons), for
+        Hugging Face weights read into it (``purpose="load"``) or written from it (``"export"``)."""
+        return self._runtime.hooks.weight_shards(model, purpose)
+
+    # checkpoints -----------------------------------------------------------------------------------
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        format: str | None = None,
+        *,
+        blocking: bool = True,
+        _on_published: Callable[[], None] | None = None,
+    ) -> None:
+        """Save ``state`` from every rank (``format``: ``full`` or ``sharded``; default: the strategy's).
+
+        ``path``: a local path or an object-store URL (``s3://``, ``gs://``, ``az://``, ``memory://``; see
+        docs/checkpoints.md). ``blocking=False`` returns before the state is written, and what is written is the
+        state at the call: parameters and optimizer state are copied in the background while the next forward
+        and backward run (every optimizer's ``step`` waits for that copy), the rest before returning (sharded:
+        ``torch.distributed.checkpoint.async_save``; full: rank 0 writes in a background thread). At
+        most one save is in flight: the next save, a load, :meth:`wait_for_checkpoint` or :meth:`teardown` waits
+        for it and raises its failure, naming the path, on every rank.
+        """
+        self._checkpoints.save(path, state, format, blocking=blocking, on_published=_on_published)
+
+    def checkpoint_in_flight(self) -> bool:
+        """True while this rank's part of a ``blocking=False`` save is still being written."""
+        return self._checkpoints.in_flight()
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the save in flight (``blocking=False``), on every rank; raise its failure with the path."""
+        self._checkpoints.wait()
+
+    def load(
+        self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool = True
+    ) -> dict[str, Any]:
+        """Fill ``state``'s modules, optimizers and stateful objects in place; return the other saved entries."""
+        return self._checkpoints.load(path, state, strict)
+
     # collectives -----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
-        self.setup_environment()
         if not isinstance(tensor, torch.Tensor):
             tensor = torch.tensor(tensor, dtype=torch.float64)
-        return self._hooks.all_reduce(tensor, op)
+        return self._runtime.joined().all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        self.setup_environment()
-        return self._hooks.all_gather(tensor)
+        return self._runtime.joined().all_gather(tensor)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        self.setup_environment()
-        return self._hooks.broadcast(obj, src)
+        return self._runtime.joined().broadcast(obj, src)
 
     def barrier(self, name: str | None = None) -> None:
-        self.setup_environment()
-        self._hooks.barrier(name)
+        self._runtime.joined().barrier(name)
 
     # utilities -------------------------------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
-        if not self._environment_ready or self.rank == 0:
+        if not self._runtime.ready or self.rank == 0:
             print(*args, **kwargs)
 
     def seed_everything(self, seed: int, offset_by_rank: bool = False) -> int:
-        rank = self.rank if self._environment_ready else 0
+        rank = self.rank if self._runtime.ready else 0
         return seed_everything(seed, rank=rank, offset_by_rank=offset_by_rank)
 
     def teardown(self) -> None:
         """Leave the process group. Call once at the end; the engine cannot be used after."""
-        if self._environment_ready:
-            self.wait_for_checkpoint()
-            from stratagem.checkpoint import _async
-
-            _async.release_async_resources(self.strategy)
-            self._hooks.teardown()
-            self._environment_ready = False
+        if self._runtime.ready:
+            self._checkpoints.close()
+            self._runtime.leave()

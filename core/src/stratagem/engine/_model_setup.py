@@ -1,5 +1,8 @@
-"""The Engine's part of ``compile=``: the request checked, a model compiled already taken apart, and compile
-placed where the strategy's ``wrap_model`` says (see :mod:`stratagem.strategies.compiling`)."""
+"""Where an Engine's models are set up: the model wrapped by the strategy's ``wrap_model`` with compile placed
+where that hook says (``compile=`` checked, a model compiled already taken apart; see
+:mod:`stratagem.strategies.compiling`), Hugging Face weights read into it (``init_weights``, in
+:mod:`stratagem.engine._init_weights`), optimizers pointed at the wrapped model's parameters and stepped through
+the strategy, and the models set up (a step operation that names no model means the one set up)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from stratagem.engine._defaults import COMPILE_ENV
+from stratagem.engine._init_weights import wrap_and_load
+from stratagem.engine._strategy_optimizer import StrategyOptimizer, _clean_name, _rebind_optimizer
 from stratagem.errors import ConfigurationError
 from stratagem.strategies.compiling import (
     CompileOptions,
@@ -19,23 +24,58 @@ from stratagem.strategies.compiling import (
 if TYPE_CHECKING:
     import torch
 
-    from stratagem.registry._manager import StrategyHooks
+    from stratagem.engine._strategy_runtime import StrategyRuntime
 
 
-class Compiling:
-    """The Engine's compile methods; the Engine holds the strategy and its hooks."""
+class ModelSetup:
+    """An Engine's ``setup``, ``setup_module`` and ``setup_optimizers`` (documented there), over its strategy."""
 
-    _hooks: StrategyHooks
-    strategy_name: str
-    capabilities: Any
-    _environment_ready: bool
+    def __init__(self, runtime: StrategyRuntime) -> None:
+        self._runtime = runtime
+        #: The models set up so far, in order.
+        self.models: list[torch.nn.Module] = []
+        #: The regions the last set-up compiled ("" for a whole module); empty without compile.
+        self.compiled_regions: list[str] = []
 
-    @property
-    def rank(self) -> int:  # the Engine's
-        raise NotImplementedError
+    def setup(
+        self, model: torch.nn.Module, optimizers: tuple[Any, ...], compile: Any, init_weights: Any
+    ) -> Any:
+        names = {id(p): _clean_name(n) for n, p in model.named_parameters()}
+        wrapped = self.setup_module(model, compile, init_weights)
+        if not optimizers:
+            return wrapped
+        for optimizer in optimizers:
+            if getattr(optimizer, "state", None) and any(optimizer.state.values()):
+                raise ConfigurationError(
+                    "Engine.setup() got an optimizer that has taken steps already; set up before training."
+                )
+            if any(
+                id(p) not in {id(q) for q in wrapped.parameters()}
+                for group in optimizer.param_groups
+                for p in group["params"]
+            ):
+                _rebind_optimizer(optimizer, names, wrapped)
+        return (wrapped, *self.setup_optimizers(wrapped, optimizers))
 
-    #: The regions the last ``setup``/``setup_module`` compiled ("" for a whole module); empty without compile.
-    compiled_regions: list[str] = []
+    def model_for(self, model: torch.nn.Module | None) -> torch.nn.Module:
+        """``model``, or when a call names none, the one model set up."""
+        if model is not None:
+            return model
+        if len(self.models) != 1:
+            raise ConfigurationError("Several models are set up: pass the one this call is for (model=...).")
+        return self.models[0]
+
+    def setup_optimizers(
+        self, model: torch.nn.Module, optimizers: tuple[Any, ...]
+    ) -> list[StrategyOptimizer]:
+        if not optimizers and not getattr(self._runtime.strategy, "provides_optimizer", False):
+            raise ConfigurationError(
+                "setup_optimizers() needs at least one optimizer (none only where the strategy's own "
+                "configuration defines it)."
+            )
+        hooks = self._runtime.hooks
+        prepared = hooks.setup_optimizers(model, list(optimizers))
+        return [StrategyOptimizer(opt, hooks, model) for opt in prepared]
 
     def resolve_compile(self, compile: Any) -> CompileOptions | None:
         """``compile=`` checked (``None``: ``STRATAGEM_COMPILE`` if set, else no compile), and allowed by the
@@ -46,16 +86,23 @@ class Compiling:
         return options
 
     def _check_compilable(self) -> None:
-        caps = self.capabilities
+        caps = self._runtime.capabilities
         if caps is None or caps.compile:
             return
         from stratagem.registry._manager import get_registry
 
         able = sorted(info.name for info in get_registry() if info.capabilities.compile)
         raise ConfigurationError(
-            f"compile: strategy {self.strategy_name!r} declares it cannot be compiled (its capabilities say "
+            f"compile: strategy {self._runtime.name!r} declares it cannot be compiled (its capabilities say "
             f"compile=False). Train it without compile=, or choose a strategy that compiles: {', '.join(able)}."
         )
+
+    def setup_module(self, model: torch.nn.Module, compile: Any, init_weights: Any) -> torch.nn.Module:
+        """The model wrapped (with Hugging Face weights read into it, given ``init_weights``), and kept."""
+        self._runtime.setup_environment()
+        wrapped = wrap_and_load(self._runtime, model, init_weights, lambda: self._wrap(model, compile))
+        self.models.append(wrapped)
+        return wrapped
 
     def _wrap(self, model: torch.nn.Module, compile: Any) -> torch.nn.Module:
         """``wrap_model`` with compile in the strategy's place: before the hook when its implementation does not
@@ -66,19 +113,20 @@ class Compiling:
             if options is None and compile is not False:
                 options = found or CompileOptions()
                 self._check_compilable()
-            if self.rank == 0 and options is not None:
+            if self._runtime.rank == 0 and options is not None:
                 note_recompiled(where, options)
         compiler = Compiler(options)
-        if self._hooks.strategy_takes("wrap_model", "compiler"):
-            wrapped = self._hooks.wrap_model(model, compiler)
+        hooks = self._runtime.hooks
+        if hooks.strategy_takes("wrap_model", "compiler"):
+            wrapped = hooks.wrap_model(model, compiler)
             if compiler.enabled and not compiler.called:
                 raise ConfigurationError(
-                    f"compile: strategy {self.strategy_name!r} takes wrap_model's `compiler` but did not call it, "
+                    f"compile: strategy {self._runtime.name!r} takes wrap_model's `compiler` but did not call it, "
                     "so nothing was compiled. A strategy that takes it calls compiler(module) after its tensor "
                     "parallelism and activation checkpointing, before data-parallel wrapping (docs/hooks.md)."
                 )
         else:
             compiler(model)
-            wrapped = self._hooks.wrap_model(model, compiler)
+            wrapped = hooks.wrap_model(model, compiler)
         self.compiled_regions = list(compiler.regions)
         return wrapped

@@ -1,5 +1,5 @@
-"""Which registered strategy the Engine runs. ``strategy="auto"`` on several processes: the model planned (:mod:`stratagem.planning`) under each installed
-strategy that offers itself for ``auto`` (``Capabilities(auto_priority=...)``), and the one chosen among those
+"""What ``strategy="auto"`` runs on several processes: the model planned (:mod:`stratagem.planning`) under each
+installed strategy that offers itself for ``auto`` (``Capabilities(auto_priority=...)``), and the one chosen among those
 that fit each device's memory, by :func:`stratagem.planning.choose`.
 
 Each device's memory is ``STRATAGEM_DEVICE_MEMORY`` (with its unit: ``80GB``, ``24GiB``) when set, else a CUDA
@@ -55,31 +55,16 @@ def candidates(world: Any, accelerator: str) -> list[str]:
     return sorted(found)
 
 
-def choose(workload: Any, engine: Any) -> Any:
-    """The :class:`stratagem.planning.Choice` for ``workload`` on the engine's world, printed (by the process
-    that launches, or rank 0); raises :class:`stratagem.planning.NothingFitsError` (with the plan's table) when
-    no candidate fits."""
+def choose(workload: Any, request: Any) -> Any:
+    """The :class:`stratagem.planning.Choice` for ``workload`` on the world of ``request`` (the Engine's
+    ``Request``), printed (by the process that launches, or rank 0); raises
+    :class:`stratagem.planning.NothingFitsError` (with the plan's table) when no candidate fits."""
     from stratagem import planning
 
-    world = planning.World(devices=engine.devices, nodes=engine.num_nodes, precision=engine.precision)
-    memory = device_memory(engine.accelerator, world.devices)
-    names = candidates(world, engine.accelerator)
+    world = planning.World(devices=request.devices, nodes=request.num_nodes, precision=request.precision)
+    memory = device_memory(request.accelerator, world.devices)
+    names = candidates(world, request.accelerator)
     choice = planning.choose(planning.plan(workload, world, memory=memory, strategies=names))
-    if engine.needs_launch or os.environ.get("RANK", "0") == "0":
+    if request.needs_launch or os.environ.get("RANK", "0") == "0":
         print(choice.reason, flush=True)
     return choice
-
-
-def info_for_instance(strategy: Any) -> Any:
-    """The registry's entry for a ``Strategy`` instance given to the Engine (by its registered name, else its
-    class), or ``None`` for a class no plugin registers."""
-    from stratagem.registry._manager import get_registry
-
-    registry = get_registry()
-    if strategy.registered_name in registry:
-        return registry.get(strategy.registered_name)
-    target = f"{type(strategy).__module__}:{type(strategy).__qualname__}"
-    for info in registry:
-        if info.factory is type(strategy) or info.factory == target:
-            return info
-    return None

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.errors import PREEMPTED_EXIT_CODE
-from stratagem.launchers import _preemption_signals, _reachability, _rounds
+from stratagem.launchers import _forked_workers, _preemption_signals, _reachability, _rounds
 from stratagem.launchers._failure_records import describe_failure
 from stratagem.launchers._restarts import RESTART_COUNT_ENV, RESTART_LOG_ENV
 
@@ -78,6 +78,11 @@ def _agent_class() -> type:
             finally:
                 tempfile.tempdir = saved
                 self._stop_at_once()
+
+        def _set_local_rank_env(self, worker_env: dict[str, Any], *args: Any) -> None:
+            super()._set_local_rank_env(worker_env, *args)
+            if self._start_method == "forkserver":
+                _forked_workers.environment_for_worker(worker_env)
 
         def _stop_at_once(self) -> None:
             # Once a worker failed, torch stops the others with SIGTERM and waits up to 30 s. A worker that
@@ -286,6 +291,7 @@ def run_agent(
         raise KeyboardInterrupt from None
     finally:
         spec.rdzv_handler.shutdown()
+        _rounds.forget()
 
 
 _freeze_registered = False

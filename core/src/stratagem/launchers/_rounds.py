@@ -51,3 +51,10 @@ def publish_each_round(handler: Any) -> Any:
 
     handler.next_rendezvous = next_rendezvous
     return handler
+
+
+def forget() -> None:
+    """The round belongs to the launch that formed it: once that launch ends, a process started later from this
+    one (torchrun's workers, another launcher's) must not read it as its own, or its restarted group would name
+    its keys as the failed one did."""
+    os.environ.pop(ROUND_ENV, None)

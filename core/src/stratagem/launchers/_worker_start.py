@@ -4,8 +4,9 @@ Two ways in, one agent:
 
 - :func:`launch_script` re-runs the user's command line in N workers with the rank environment set; the
   launching process only supervises (what ``python train.py`` with ``devices=2`` does, and ``stratagem run``).
-- :func:`launch_function` runs a picklable function in N spawned workers and returns rank 0's result
-  (what ``Engine.launch(fn)`` does when nothing launched the processes already).
+- :func:`launch_function` runs a picklable function in N workers and returns rank 0's result (what
+  ``Engine.launch(fn)`` does when nothing launched the processes already). The workers are forked from a
+  process that has imported torch once (:mod:`stratagem.launchers._forked_workers`).
 
 Either way, a worker that raises or dies stops the others at once; the caller gets a
 :class:`~stratagem.errors.WorkerFailedError` naming the first rank that failed.
@@ -24,6 +25,7 @@ from typing import Any
 
 from stratagem.checkpoint import _scratch
 from stratagem.errors import ConfigurationError, WorkerFailedError
+from stratagem.launchers import _forked_workers
 from stratagem.launchers._failure_records import (
     ERROR_FILE_ENV,
     _note_failure_time,
@@ -193,6 +195,12 @@ def _run(
         # The workers share the agent's store, which outlives a restart with the failed attempt's keys; the
         # strategies keep each attempt's keys apart (ClusterEnvironment.restart_count).
         agent_env = {**env, _elastic_agent.RESTART_LOG_ENV: str(restart_log)}
+        start_method = "spawn"  # a script is a new process whatever the method
+        if callable(entrypoint):
+            start_method = _forked_workers.start_method()
+            if start_method == "forkserver":
+                # Before the launch's environment is set: the server outlives this launch.
+                _forked_workers.ensure_server({k: v for k, v in env.items() if k in CPU_ALLOCATOR_ENV})
         with _environment(agent_env), _quiet_agent():
             try:
                 return _elastic_agent.run_agent(
@@ -201,6 +209,7 @@ def _run(
                     nproc_per_node=nproc_per_node,
                     max_restarts=max_restarts,
                     scratch=scratch,
+                    start_method=start_method,
                     **rendezvous,
                 )
             except ChildFailedError as error:
@@ -301,8 +310,9 @@ def supervise_script(
 
 
 def call_recording(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` in a spawned worker, noting the time of an exception for the launcher's report
+    """Run ``fn`` in a worker, noting the time of an exception for the launcher's report
     (:func:`stratagem.launchers.describe_failure`)."""
+    _forked_workers.adopt_launch_environment()
     try:
         return fn(*args)
     except BaseException as error:

@@ -1,16 +1,22 @@
 """A Trainer's callbacks and loggers: names resolved through the registry (before anything launches), the
-name each is registered under (its key in checkpoints), and the hyperparameters loggers record."""
+name each is registered under (its key in checkpoints), the events its parts send them, and the hyperparameters
+loggers record."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from stratagem import hookspecs
 from stratagem.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from stratagem.engine import Engine
+    from stratagem.registry._event_hooks import TrainerEventHooks
+    from stratagem.trainer._options import TrainerOptions
 
 #: What ``Trainer(loggers=None)`` means.
 DEFAULT_LOGGERS = ("csv",)
@@ -65,6 +71,28 @@ def named(plugins: list[object]) -> list[tuple[str, object]]:
     return result
 
 
+class TrainerEvents:
+    """The events a Trainer's parts send, each with ``trainer=`` the public Trainer: the one thing of it they
+    hold, and only to hand it to the callbacks and loggers (its events API)."""
+
+    def __init__(self, hooks: TrainerEventHooks, trainer: object) -> None:
+        self._hooks = hooks
+        self._trainer = trainer
+
+    @property
+    def implemented(self) -> frozenset[str]:
+        return self._hooks.implemented
+
+    def call(self, event: str, **kwargs: Any) -> None:
+        self._hooks.call(event, trainer=self._trainer, **kwargs)
+
+    def collect_states(self, path: str) -> dict[str, dict[str, Any]]:
+        return self._hooks.collect_states(self._trainer, path)
+
+    def restore_states(self, path: str, states: Mapping[str, Any]) -> None:
+        self._hooks.restore_states(self._trainer, path, states)
+
+
 def _plain(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -81,11 +109,10 @@ def _flatten(prefix: str, values: Mapping[str, Any], out: dict[str, Any]) -> Non
             out[f"{prefix}{key}"] = _plain(value)
 
 
-def hyperparameters(trainer: Any) -> dict[str, Any]:
+def hyperparameters(options: TrainerOptions, engine: Engine, module: Any) -> dict[str, Any]:
     """The run's options for loggers: the Trainer's, the strategy's config, and the model's ``hparams``."""
     params: dict[str, Any] = {}
-    _flatten("trainer/", attrs.asdict(trainer.options, recurse=False), params)
-    engine = trainer.engine
+    _flatten("trainer/", attrs.asdict(options, recurse=False), params)
     params.update(
         {
             "trainer/devices": engine.devices,
@@ -99,7 +126,7 @@ def hyperparameters(trainer: Any) -> dict[str, Any]:
     config = getattr(engine.strategy, "config", None)
     if config is not None and attrs.has(type(config)):
         _flatten("strategy/", attrs.asdict(config, recurse=False), params)
-    hparams = getattr(trainer.module, "hparams", None)
+    hparams = getattr(module, "hparams", None)
     if isinstance(hparams, Mapping):
         _flatten("model/", hparams, params)
     elif hparams is not None and attrs.has(type(hparams)):

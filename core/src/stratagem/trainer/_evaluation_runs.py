@@ -12,15 +12,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stratagem.checkpoint import _store
-from stratagem.engine.seed import capture_rng, restore_rng
 from stratagem.errors import CheckpointError, ConfigurationError
 from stratagem.strategies.precision import half_kernel_errors
 from stratagem.trainer import _fit_checks, _predictions
-from stratagem.trainer._model_calls import batch_for
 from stratagem.trainer._run_dir import find_last_checkpoint
 
 if TYPE_CHECKING:
     from stratagem.engine import Engine
+    from stratagem.trainer._checkpointing import CheckpointManager
+    from stratagem.trainer._evaluation import Evaluator
+    from stratagem.trainer._progress import Console
+    from stratagem.trainer._run_setup import RunSetup
+    from stratagem.trainer._run_state import RunState
     from stratagem.trainer.module import Module
 
 #: ``ckpt_path`` values besides a path.
@@ -28,74 +31,60 @@ _NAMED = ("last", "best")
 
 
 class EvaluationRuns:
-    """The Trainer's evaluation entry points; the Trainer holds the model they set up."""
+    """``Trainer.validate``, ``test`` and ``predict`` (documented there): set up by ``setup`` as ``fit`` is,
+    weights from ``ckpt_path`` through ``checkpoints``, the loop ``evaluator``'s. ``callbacks`` are the
+    Trainer's: a ``ModelCheckpoint`` among them is asked for the best checkpoint, given ``trainer`` (the public
+    Trainer, which this part only hands on)."""
 
-    engine: Engine
-    module: Module | None
-    model: torch.nn.Module | None
-    callbacks: list[Any]
-    options: Any
-
-    def validate(
+    def __init__(
         self,
-        model: Module | None = None,
-        dataloaders: Any = None,
-        ckpt_path: str | os.PathLike[str] | None = None,
-    ) -> dict[str, float]:
-        """Run ``validation_step`` over ``dataloaders``; return the metrics, reduced across ranks.
+        engine: Engine,
+        run: RunState,
+        *,
+        setup: RunSetup,
+        evaluator: Evaluator,
+        checkpoints: CheckpointManager,
+        callbacks: list[Any],
+        trainer: object,
+        console: Console,
+    ) -> None:
+        self._engine, self._run, self._setup, self._evaluator = engine, run, setup, evaluator
+        self._checkpoints, self._callbacks, self._console = checkpoints, callbacks, console
+        self._trainer = trainer
 
-        ``ckpt_path``: ``None`` (the model as it is), ``"last"`` (the newest complete checkpoint under
-        ``default_root_dir``), ``"best"`` (the best of a ``ModelCheckpoint`` callback), or a checkpoint's path.
-        """
-        loader = self._start_evaluation("validate", "validation_step", model, dataloaders, ckpt_path)
-        with self._precision_errors():
-            return self._run_validation(self._prepare_loader(loader))
+    def validate(self, model: Module | None, dataloaders: Any, ckpt_path: Any) -> dict[str, float]:
+        loader = self._start("validate", "validation_step", model, dataloaders, ckpt_path)
+        with precision_errors(self._engine):
+            return self._evaluator.validate(self._setup.prepare_loader(loader))
 
-    def test(
-        self,
-        model: Module | None = None,
-        dataloaders: Any = None,
-        ckpt_path: str | os.PathLike[str] | None = None,
-    ) -> dict[str, float]:
-        """Run ``test_step`` over ``dataloaders``; return the metrics it logged, reduced across ranks as
-        validation's are. ``ckpt_path`` as for :meth:`validate`."""
-        loader = self._start_evaluation("test", "test_step", model, dataloaders, ckpt_path)
-        with self._precision_errors():
-            return self._run_evaluation(self._prepare_loader(loader), "test")
+    def test(self, model: Module | None, dataloaders: Any, ckpt_path: Any) -> dict[str, float]:
+        loader = self._start("test", "test_step", model, dataloaders, ckpt_path)
+        with precision_errors(self._engine):
+            return self._evaluator.run(self._setup.prepare_loader(loader), "test")
 
-    def predict(
-        self,
-        model: Module | None = None,
-        dataloaders: Any = None,
-        ckpt_path: str | os.PathLike[str] | None = None,
-    ) -> list[Any] | None:
-        """Run ``predict_step`` over ``dataloaders``. On rank 0, return the predictions of the whole dataset in
-        dataset order, on CPU, batched as the loader batches it in one process (each process predicted its share;
-        the samples a distributed sampler repeats to even out the shares are dropped); ``None`` on other ranks.
-        ``ckpt_path`` as for :meth:`validate`."""
-        loader = self._start_evaluation("predict", "predict_step", model, dataloaders, ckpt_path)
-        sampler = self.engine.distributed_sampler_kwargs()
+    def predict(self, model: Module | None, dataloaders: Any, ckpt_path: Any) -> list[Any] | None:
+        engine = self._engine
+        loader = self._start("predict", "predict_step", model, dataloaders, ckpt_path)
+        sampler = engine.distributed_sampler_kwargs()
         replicas, rank = int(sampler.get("num_replicas", 1)), int(sampler.get("rank", 0))
-        if not self.options.use_distributed_sampler:
+        if not self._run.options.use_distributed_sampler:
             replicas, rank = 1, 0
         batch_size = getattr(loader, "batch_size", None)
         loader, indices = _predictions.prediction_loader(loader, replicas, rank)
-        with self._precision_errors():
-            outputs = self._predict_batches(loader)
+        with precision_errors(engine):
+            outputs = self._evaluator.predict(loader)
         if replicas == 1:
             # One share (alone, or with tensor-parallel peers that predicted the same): rank 0 holds every
             # prediction, in order already.
-            return outputs if self.engine.is_global_zero else None
+            return outputs if engine.is_global_zero else None
         mine = [(None if indices is None else indices[i], output) for i, output in enumerate(outputs)]
         per_rank = self._gather_predictions(mine, rank)
         return _predictions.in_dataset_order(per_rank, batch_size) if per_rank is not None else None
 
     # ----------------------------------------------------------------------------------------------
-    def _start_evaluation(
-        self, method: str, step: str, model: Module | None, dataloaders: Any, ckpt_path: Any
-    ) -> Any:
+    def _start(self, method: str, step: str, model: Module | None, dataloaders: Any, ckpt_path: Any) -> Any:
         """Checks (before anything launches), the launch, the model set up, its weights from ``ckpt_path``."""
-        model = self._plain_module(model) if model is not None else self.module
+        model = self._setup.plain_module(model) if model is not None else self._run.module
         if model is None:
             raise ConfigurationError(f"{method}() needs a model: trainer.{method}(model, dataloaders).")
         if dataloaders is None:
@@ -109,19 +98,20 @@ class EvaluationRuns:
                 f"{type(model).__name__} has no {step}(batch, batch_idx). Define it for trainer.{method}()."
             )
         _fit_checks.check_loader(dataloaders, "dataloaders")
-        self._check_evaluation_ckpt(method, ckpt_path)
-        if self.engine.needs_launch:
-            self._launch()
+        self._check_ckpt(method, ckpt_path)
+        if self._engine.needs_launch:
+            self._setup.launch()
         # Hugging Face weights (init_weights) only where no checkpoint is named to evaluate.
-        self._setup(model, with_optimizers=False, init_weights=None if ckpt_path else self._init_weights)
-        path = self._evaluation_ckpt(method, ckpt_path)
+        init_weights = None if ckpt_path else self._setup.init_weights
+        self._setup.setup(model, with_optimizers=False, init_weights=init_weights)
+        path = self._ckpt(method, ckpt_path)
         if path is not None:
-            assert self.model is not None
-            self.engine.load(path, {"model": self.model}, strict=True)
-            self.print(f"{method}: weights from {path}")
+            assert self._run.model is not None
+            self._engine.load(path, {"model": self._run.model}, strict=True)
+            self._console.print(f"{method}: weights from {path}")
         return dataloaders
 
-    def _check_evaluation_ckpt(self, method: str, ckpt_path: Any) -> None:
+    def _check_ckpt(self, method: str, ckpt_path: Any) -> None:
         if ckpt_path is None or ckpt_path == "last":
             return
         if ckpt_path == "best":
@@ -139,13 +129,13 @@ class EvaluationRuns:
         _fit_checks.check_ckpt_path(ckpt_path)
 
     def _best_holders(self) -> list[Any]:
-        return [c for c in self.callbacks if callable(getattr(c, "best_checkpoint", None))]
+        return [c for c in self._callbacks if callable(getattr(c, "best_checkpoint", None))]
 
-    def _evaluation_ckpt(self, method: str, ckpt_path: Any) -> Path | str | None:
+    def _ckpt(self, method: str, ckpt_path: Any) -> Path | str | None:
         if ckpt_path is None:
             return None
         if ckpt_path == "best":
-            best = self._best_holders()[0].best_checkpoint(self)
+            best = self._best_holders()[0].best_checkpoint(self._trainer)
             if best is None:
                 raise CheckpointError(
                     "(best)",
@@ -154,39 +144,21 @@ class EvaluationRuns:
                 )
             return _store.location(best)
         if ckpt_path == "last":
-            directory = self.checkpoint_dir
-            found = find_last_checkpoint(directory) if self.engine.is_global_zero else None
-            found = self.engine.broadcast(None if found is None else str(found), 0)
+            engine, directory = self._engine, self._checkpoints.checkpoint_dir
+            found = find_last_checkpoint(directory) if engine.is_global_zero else None
+            found = engine.broadcast(None if found is None else str(found), 0)
             if found is None:
                 raise CheckpointError(
                     directory,
                     f'holds no complete checkpoint for {method}(ckpt_path="last"). Pass a path, or fit first.',
                 )
             return _store.location(found)
-        return self._resolve_ckpt_path(ckpt_path)
-
-    def _predict_batches(self, loader: Any) -> list[Any]:
-        assert self.model is not None
-        was_training = self.model.training
-        rng = capture_rng()
-        self.model.eval()
-        outputs = []
-        try:
-            with torch.no_grad():
-                for batch_idx, batch in enumerate(loader):
-                    batch = batch_for(batch, self.engine.device, self.engine.precision)
-                    # predict_step, or the strategy's own forward-only run (a pipeline's, over its stages).
-                    output = self._evaluate_batch(batch, batch_idx, "predict")
-                    outputs.append(_predictions.to_cpu(output))
-        finally:
-            self.model.train(was_training)
-            restore_rng(rng)
-        return outputs
+        return self._checkpoints.resolve(ckpt_path)
 
     def _gather_predictions(self, mine: _predictions.Batches, dp_rank: int) -> list[Any] | None:
         """Every data-parallel rank's predictions on rank 0 (``None`` elsewhere). The first process of each
         data-parallel rank sends them; its tensor-parallel peers hold the same."""
-        engine = self.engine
+        engine = self._engine
         ranks = [int(t) for t in engine.all_gather(torch.tensor([dp_rank], device=engine.device))]
         sender = ranks.index(dp_rank) == engine.rank
         received = []
@@ -198,24 +170,9 @@ class EvaluationRuns:
             return None
         return [payload for _, payload in sorted(received, key=lambda pair: pair[0])]
 
-    @contextlib.contextmanager
-    def _precision_errors(self) -> Iterator[None]:
-        """``16-true``: an op without a float16 kernel becomes an error naming it and what to do."""
-        engine = self.engine
-        with half_kernel_errors(engine.precision, engine.device.type, engine.strategy_name):
-            yield
 
-    if TYPE_CHECKING:  # the Trainer's and its other mixins'
-        checkpoint_dir: Any
-        _init_weights: Any
-
-        def _launch(self) -> None: ...
-        def _plain_module(self, model: Any) -> Any: ...
-        def _setup(self, model: Module, *, with_optimizers: bool, init_weights: Any = None) -> None: ...
-        def _prepare_loader(self, loader: Any) -> Any: ...
-        def _resolve_ckpt_path(self, ckpt_path: Any) -> Path | str | None: ...
-        def _run_validation(self, loader: Any, epoch: int | None = None) -> dict[str, float]: ...
-        def _run_evaluation(self, loader: Any, stage: str, epoch: int | None = None) -> dict[str, float]: ...
-        def _call(self, method: str, *args: Any) -> Any: ...
-        def _evaluate_batch(self, batch: Any, batch_idx: int, stage: str) -> Any: ...
-        def print(self, *args: Any) -> None: ...
+@contextlib.contextmanager
+def precision_errors(engine: Engine) -> Iterator[None]:
+    """``16-true``: an op without a float16 kernel becomes an error naming it and what to do."""
+    with half_kernel_errors(engine.precision, engine.device.type, engine.strategy_name):
+        yield

@@ -13,12 +13,42 @@ from stratagem.checkpoint import _atomic, _store
 from stratagem.errors import CheckpointError, ConfigurationError
 from stratagem.launchers import _rerun
 from stratagem.trainer._configured_optimizers import parse_optimizers
+from stratagem.trainer._planned_module import fit_workload
 from stratagem.trainer.module import Module, defines_loss
 
 
 def provides_optimizer(strategy: Any) -> bool:
     """Whether the strategy's own configuration defines the optimizer (see ``Strategy.provides_optimizer``)."""
     return bool(getattr(strategy, "provides_optimizer", False))
+
+
+def check_fit(
+    engine: Any,
+    model: Any,
+    train_dataloaders: Any,
+    val_dataloaders: Any,
+    ckpt_path: Any,
+    *,
+    strategy_made: bool,
+) -> None:
+    """What ``fit`` is given; ``strategy_made``: the model's steps are checked against the strategy too.
+    ``strategy="auto"`` on several processes is chosen here, by a plan of the model and the loader's first batch
+    (docs/planning.md), once both are known good and before the steps are checked against it."""
+
+    # Asked only when configure_optimizers gives nothing: it creates the strategy in a launching process.
+    def strategy_optimizer() -> bool:
+        return provides_optimizer(engine.strategy)
+
+    check_model(model, for_fit=True, strategy_optimizer=strategy_optimizer)
+    check_loader(train_dataloaders, "train_dataloaders")
+    if engine.plans_auto:
+        engine.choose_strategy(fit_workload(model, train_dataloaders))
+    check_step(model, engine.strategy if strategy_made else None)
+    if val_dataloaders is not None:
+        check_loader(val_dataloaders, "val_dataloaders")
+    check_ckpt_path(ckpt_path)
+    if engine.needs_launch:
+        check_optimizers_before_launch(model, strategy_optimizer)
 
 
 def check_model(model: Any, *, for_fit: bool, strategy_optimizer: Callable[[], bool] = lambda: False) -> None:

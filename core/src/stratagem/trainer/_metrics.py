@@ -1,10 +1,13 @@
-"""Metrics logged with ``Module.log``: kept as tensors between logging steps (no host sync per step), then
-reduced across ranks in one collective per reduce op, and written to a CSV file on rank 0."""
+"""Metrics logged with ``Module.log`` and ``trainer.log``: kept as tensors between logging steps (no host sync
+per step), then reduced across ranks in one collective per reduce op, and sent to the loggers on rank 0 (the
+CSV file among them)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +17,10 @@ from stratagem.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from stratagem.engine import Engine
+    from stratagem.trainer._callbacks_and_loggers import TrainerEvents
+    from stratagem.trainer._progress import Console
+    from stratagem.trainer._recovery import Recovery
+    from stratagem.trainer._run_state import RunState
 
 _REDUCE_OPS = ("mean", "sum", "max", "min")
 
@@ -81,6 +88,73 @@ class MetricStore:
         self._counts.clear()
         self._ops.clear()
         return result
+
+
+class RunMetrics:
+    """One Trainer's metrics: what is logged during training goes to ``train``, during an evaluation to
+    ``evaluation``; each is reduced across ranks when the run writes it (a logging step, the end of an
+    evaluation) into ``logged`` (``trainer.logged_metrics``) and sent to the loggers."""
+
+    def __init__(
+        self, engine: Engine, run: RunState, events: TrainerEvents, recovery: Recovery, console: Console
+    ) -> None:
+        self._engine, self._run, self._events = engine, run, events
+        self._recovery, self._console = recovery, console
+        #: The latest reduced values (training and evaluation).
+        self.logged: dict[str, float] = {}
+        self.train = MetricStore()
+        self.evaluation = MetricStore()
+        #: Whether the loggers get the values: from the first ``fit`` on (an evaluation before it writes none).
+        self.writing = False
+        self._evaluating = False
+        self._owned_step = False
+
+    def log(self, name: str, value: Any, *, prog_bar: bool, reduce: str) -> None:
+        if self._owned_step:
+            raise ConfigurationError(
+                f"log({name!r}) inside compute_loss or split_batch while strategy {self._engine.strategy_name!r} "
+                "runs the step itself: they run on some ranks only (a pipeline's last stage), and logging is "
+                "reduced over every rank. Log from a callback's on_train_batch_end (outputs is the loss there)."
+            )
+        store = self.evaluation if self._evaluating else self.train
+        store.add(name, value, reduce=reduce, prog_bar=prog_bar)
+
+    @contextlib.contextmanager
+    def strategy_step(self) -> Iterator[None]:
+        """While the strategy runs a step itself: ``log`` would run on some ranks only (a pipeline's last
+        stage), so it is refused."""
+        self._owned_step = True
+        try:
+            yield
+        finally:
+            self._owned_step = False
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """While an evaluation runs: what is logged goes to ``evaluation``."""
+        self._evaluating = True
+        try:
+            yield
+        finally:
+            self._evaluating = False
+
+    def write_train(self) -> None:
+        """A logging step: the training values reduced, kept, shown on the bar, sent to the loggers."""
+        store = self.train
+        if self._recovery.counts_restarts:
+            store.add("restarts", self._recovery.restart_count, reduce="max", prog_bar=False)
+        shown = set(store.prog_bar)
+        values = store.reduce(self._engine)
+        self.logged.update(values)
+        self.write(values, self._run.position.epoch)
+        bar = self._console.bar
+        assert bar is not None
+        bar.set_metrics({k: v for k, v in values.items() if k in shown})
+
+    def write(self, values: dict[str, float], epoch: int) -> None:
+        if self.writing and self._engine.is_global_zero:
+            metrics = {"epoch": epoch, **values}
+            self._events.call("log_metrics", metrics=metrics, step=self._run.position.step)
 
 
 def _check_same_names(engine: Engine, names: list[str]) -> None:

@@ -74,6 +74,15 @@ def redirected_forward(module: torch.nn.Module, method: str) -> Iterator[None]:
         restore()
 
 
+def call_step(model: torch.nn.Module, module: torch.nn.Module | None, method: str, *args: Any) -> Any:
+    """``module.<method>(*args)`` through the wrapped ``model``'s call."""
+    # Always through the wrapped model's __call__, also when the strategy wrapped in place (FSDP2, tensor
+    # parallel): their forward hooks gather the root's parameters, which calling the step directly skips.
+    assert model is not None and module is not None
+    with redirected_forward(module, method):
+        return model(*args)
+
+
 def loss_of(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(loss, torch.Tensor):

@@ -6,14 +6,16 @@ rank at the same step boundary, with a checkpoint of that step, and ends the run
   signal and when it came. A launcher that gets one passes it on to its workers
   (:mod:`stratagem.launchers._preemption_signals`); a signal sent to one worker alone reaches the others through the
   agreement below.
-- At each step boundary (after the step's validation, where a periodic checkpoint is written) the ranks agree
-  through one three-element all-reduce: whether any rank was signalled, the earliest time one was, and which
-  signal. With several ranks a boundary starts its all-reduce without waiting for it, on a gloo group of its
-  own, and reads it at the next boundary (:mod:`stratagem.trainer._agreement`): every rank decides on the same
-  reduced value, so all stop at the same step, one step after the boundary at which the first signalled rank's
-  exchange began. One process stops at the boundary that follows its signal. The step they stop at is saved
-  like a periodic checkpoint (waiting for an asynchronous save in flight), the pending metrics are written and
-  the loggers close; then every rank exits.
+- At step boundaries (after the step's validation, where a periodic checkpoint is written) the ranks agree
+  through an all-reduce: whether any rank was signalled, the earliest time one was, and which signal. With
+  several ranks a boundary starts one without waiting for it, on a gloo group of its own, and the next boundary
+  reads it (:mod:`stratagem.trainer._agreement`); when steps are short, one is started only every N boundaries,
+  N agreed from the ranks' step times so that a signal waits at most half a second at those step times. Every
+  rank decides on the same reduced value, so all stop at the same step, one step after the boundary at which the
+  first exchange carrying the signal began; at the end of training one more exchange is waited for. One process
+  stops at the boundary that follows its signal. The step they stop at is saved like a periodic checkpoint
+  (waiting for an asynchronous save in flight), the pending metrics are written and the loggers close; then
+  every rank exits.
 - In a SLURM job, rank 0 requeues the job last (``scontrol requeue``): the requeued job restarts the script,
   whose ``fit`` resumes from that checkpoint by itself (``SLURM_RESTART_COUNT`` makes it a restart).
 """
@@ -25,17 +27,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from stratagem.checkpoint import _store
 from stratagem.errors import PREEMPTED_EXIT_CODE, ConfigurationError, Preempted
 from stratagem.launchers import _preemption_signals, cluster
 from stratagem.trainer import _agreement
-from stratagem.trainer._run_dir import checkpoint_name
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from stratagem.engine import Engine
 
 #: How long ``scontrol`` may take to answer before the requeue is given up (the grace period is short).
@@ -122,50 +125,60 @@ class Preemption:
     def agreed(self) -> bool:
         """Whether the ranks stop at this step boundary: a collective, called by every rank at each boundary.
 
-        With several ranks this reads the exchange the previous boundary started
-        (:mod:`stratagem.trainer._agreement`): a signal is acted on one boundary later than one process would act
-        on it, at the same step on every rank.
+        With several ranks this reads the exchange the previous boundary started, if it started one
+        (:mod:`stratagem.trainer._agreement`): a signal is acted on at the same step on every rank, one boundary
+        after the first exchange that carries it.
         """
         if not self._previous:
             return False
-        caught = self._caught
         if self._agreement is not None:
-            local = (1.0, -caught[1], float(caught[0])) if caught else _agreement.NOTHING
-            return self._decide(self._agreement.exchange(local))
-        if caught is None:
-            return False
-        self.stopping = {"signal": signal.Signals(caught[0]).name, "received": caught[1]}
-        return True
+            return self._decide(self._agreement.exchange(self._local()))
+        caught = self._caught
+        return caught is not None and self._stop(caught[0], caught[1])
 
     def settle(self) -> bool:
-        """At the end of training (every rank at the same step): read the exchange still in flight; whether it
-        says to stop there, as the next boundary would have."""
+        """At the end of training (every rank at the same step): whether the ranks stop there, from the exchange
+        still in flight or one more (a signal since the last exchange began would otherwise go unseen)."""
         if self._agreement is None or self.stopping is not None:
             return self.stopping is not None
-        return self._decide(self._agreement.settle())
+        return self._decide(self._agreement.final(self._local()))
 
-    def _decide(self, reduced: tuple[float, float, float] | None) -> bool:
-        # max of (caught, -time, signal): any rank, the earliest time, one signal.
+    def _local(self) -> tuple[float, float, float]:
+        caught = self._caught
+        return (1.0, -caught[1], float(caught[0])) if caught else _agreement.NOTHING
+
+    def _decide(self, reduced: _agreement.Reduced | None) -> bool:
+        # max of (caught, -time, signal, step time): any rank, the earliest time, one signal.
         if reduced is None or reduced[0] <= 0:
             return False
-        self.stopping = {"signal": signal.Signals(int(reduced[2])).name, "received": -reduced[1]}
+        return self._stop(int(reduced[2]), -reduced[1])
+
+    def _stop(self, number: int, received: float) -> bool:
+        self.stopping = {"signal": signal.Signals(number).name, "received": received, "stopped": time.time()}
         return True
 
     def record(self, step: int) -> dict[str, Any] | None:
-        """What the checkpoint of the stopping step keeps of the preemption (``None`` for another checkpoint)."""
+        """What the checkpoint of the stopping step keeps of the preemption (``None`` for another checkpoint):
+        the signal, the step, and when (wall clock) the first rank caught it and this rank stopped."""
         if self.stopping is None:
             return None
-        return {"signal": self.stopping["signal"], "step": step, "received": self.stopping["received"]}
+        return {**self.stopping, "step": step}
 
     # stopping ---------------------------------------------------------------------------------------------
-    def exit_if_stopped(self, trainer: Any) -> None:
-        """Once the ranks agreed and the step's checkpoint is written (and waited for): close the loggers, say
-        what happened, requeue a SLURM job, and raise :class:`Preempted` on every rank."""
+    def exit_if_stopped(
+        self,
+        step: int,
+        checkpoint_of: Callable[[int], Path | str],
+        notify: Callable[[BaseException], None],
+        say: Callable[[str], None],
+    ) -> None:
+        """Once the ranks agreed and the checkpoint of their ``step`` (at ``checkpoint_of(step)``) is written and
+        waited for: ``notify`` the callbacks and loggers (which close their runs), ``say`` what happened, requeue
+        a SLURM job, and raise :class:`Preempted` on every rank."""
         if self.stopping is None:
             return
-        step = trainer.position.step
         name = self.stopping["signal"]
-        path = str(_store.join(trainer.checkpoint_dir, checkpoint_name(step, trainer.checkpoint_format)))
+        path = str(checkpoint_of(step))
         grace = self.options.grace_s
         took = time.time() - self.stopping["received"]
         message = (
@@ -173,13 +186,13 @@ class Preemption:
             f"period {grace:g} s). Exit code {PREEMPTED_EXIT_CODE}: run it again (ckpt_path='last') to continue."
         )
         preempted = Preempted(message, signal=name, step=step, checkpoint=path)
-        trainer._on_exception(preempted)  # loggers close their runs, on every rank
+        notify(preempted)  # loggers close their runs, on every rank
         _preemption_signals.write_note(
             {**self.stopping, "step": step, "checkpoint": path, "rank": self.engine.rank}
         )
-        trainer.print(message)
+        say(message)
         if took > grace:
-            trainer.print(
+            say(
                 f"stratagem: that is more than the grace period of {grace:g} s: a scheduler would have killed the "
                 "run before its checkpoint was complete. Ask for a longer one (SLURM: --signal=USR1@SECONDS; "
                 "Kubernetes: terminationGracePeriodSeconds), or make steps and checkpoints shorter."
@@ -188,7 +201,7 @@ class Preemption:
             # Rank 0 has the checkpoint published (every rank's part written) and its loggers closed.
             said = requeue_slurm_job(self.options.slurm_requeue)
             if said:
-                trainer.print(said)
+                say(said)
         # Nobody exits before everyone is done here: a launcher stops the others once one has exited.
         self.engine.barrier("preempted")
         raise preempted

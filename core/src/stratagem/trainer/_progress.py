@@ -1,4 +1,5 @@
-"""The progress display on rank 0: step, loss and the other bar metrics, it/s, ETA.
+"""What a Trainer shows on rank 0: the progress display (step, loss and the other bar metrics, it/s, ETA) and
+the lines it prints above it.
 
 Refreshed on a timer, never per step: an update costs a clock read. On a terminal it is a rich progress bar;
 elsewhere (logs, CI) a plain line every few seconds and one at the end.
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stratagem.engine import Engine
 
 
 def _format_eta(seconds: float | None) -> str:
@@ -116,3 +120,27 @@ class ProgressBar:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+class Console:
+    """A Trainer's output: lines on rank 0 (above the bar while ``fit`` shows one), nothing in a process that
+    only launches the workers; the bar of the current ``fit``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.bar: ProgressBar | None = None
+
+    def start_bar(self, *, enabled: bool, total: int | None, step: int) -> ProgressBar:
+        self.bar = ProgressBar(enabled=enabled)
+        self.bar.start(total=total, step=step)
+        return self.bar
+
+    def print(self, *args: Any) -> None:
+        engine = self._engine
+        if engine.needs_launch or not engine.is_global_zero:
+            return
+        message = " ".join(str(a) for a in args)
+        if self.bar is not None and self.bar.enabled:
+            self.bar.print(message)
+        else:
+            print(message, flush=True)

@@ -1,4 +1,4 @@
-"""Leaving the process group when a script that used a Trainer ends (moved out of ``_trainer``, unchanged)."""
+"""Leaving the process group when a script that used a Trainer ends (registered as its run is first set up)."""
 
 from __future__ import annotations
 

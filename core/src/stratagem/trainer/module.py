@@ -19,7 +19,7 @@ class Attached(Protocol):
     The Module layer sits below the Trainer and never imports it; the Trainer attaches itself.
     """
 
-    def _log_metric(self, name: str, value: Any, *, prog_bar: bool, reduce: str) -> None: ...
+    def log(self, name: str, value: Any, *, prog_bar: bool = ..., reduce: str = ...) -> None: ...
 
 
 class Module(torch.nn.Module):
@@ -100,7 +100,7 @@ class Module(torch.nn.Module):
         trainer: Attached | None = self.trainer
         if trainer is None:
             return
-        trainer._log_metric(name, value, prog_bar=prog_bar, reduce=reduce)
+        trainer.log(name, value, prog_bar=prog_bar, reduce=reduce)
 
     def log_dict(self, metrics: dict[str, Any], *, prog_bar: bool = True, reduce: str = "mean") -> None:
         for name, value in metrics.items():

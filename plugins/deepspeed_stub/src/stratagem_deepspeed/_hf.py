@@ -23,7 +23,9 @@ from stratagem_deepspeed._wrappers import _wrapper
 
 def _partition(name: str, param: Any) -> WeightShard:
     part = param.ds_tensor
-    if str(getattr(part, "final_location", None)).endswith("nvme"):
+    # DeepSpeed marks a partition on NVMe with OffloadDeviceEnum.nvme (a str enum) and, under CPU offload of the
+    # optimizer, others with the string 'not-nvme': equality, not a suffix.
+    if getattr(part, "final_location", None) == "nvme":
         raise ConfigurationError(
             f"{name}: its ZeRO-3 partition lives on NVMe, which Hugging Face weights are not read into or "
             "written from; load or export without offload_params_device='nvme'."
