@@ -174,6 +174,16 @@ def test_activations_are_within_a_quarter_of_torchs_tracker_on_a_real_step(
 # -------------------------------------------------------------------------------------------------
 
 
+def test_each_simulated_rank_steps_on_its_own_mesh() -> None:
+    """DTensor caches shardings and redistribution plans by mesh layout, which every simulated rank's 2 x 2 mesh
+    shares: ranks 2 and 3, simulated after rank 0, ran on rank 0's mesh, whose tensor-parallel group is not
+    theirs, and failed ("Could not resolve the process group registered under the name 3")."""
+    result = contract_plan("fsdp_tp[tensor_parallel_size=2]", 4)
+    assert result.status == "simulated", result.reason
+    assert [r.rank for r in result.ranks] == [0, 1, 2, 3]
+    assert len({(r.parameters, r.gradients, r.optimizer) for r in result.ranks}) == 1
+
+
 def test_a_world_the_mesh_cannot_divide_names_what_would() -> None:
     result = contract_plan("pp_fsdp_tp", 6, ranks="largest")
     assert result.status == "not estimated" and result.largest is None

@@ -260,6 +260,7 @@ def simulated_world(rank: int, world_size: int) -> Iterator[Trace]:
     from torch.nn.parallel import distributed as ddp
 
     _register_backend()
+    _forget_meshes()
     trace = Trace()
     # init_process_group prefixes this process's tracebacks with the rank ([rank3]: ...), once per group.
     excepthook = sys.excepthook
@@ -280,4 +281,17 @@ def simulated_world(rank: int, world_size: int) -> Iterator[Trace]:
             yield trace
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
         sys.excepthook = excepthook
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches of shardings and redistribution plans. They are keyed by a mesh's layout, which
+    every simulated rank's mesh shares, and hold the mesh they were made on: a rank simulated after another would
+    run its collectives on the other's mesh, whose groups are not its own (or are gone)."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch's cache
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
