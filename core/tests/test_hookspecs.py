@@ -54,7 +54,13 @@ HINTS_TABLE = {"register_install_hints"}
 def test_every_design_hook_exists():
     assert (
         set(HOOKS)
-        == DESIGN_TABLE | STEP_TABLE | LAUNCHER_TABLE | CALLBACK_TABLE | HINTS_TABLE | WEIGHTS_TABLE | PLAN_TABLE
+        == DESIGN_TABLE
+        | STEP_TABLE
+        | LAUNCHER_TABLE
+        | CALLBACK_TABLE
+        | HINTS_TABLE
+        | WEIGHTS_TABLE
+        | PLAN_TABLE
     )
 
 
