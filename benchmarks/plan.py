@@ -189,7 +189,8 @@ def llama_config(parameters: float, layers: int = 2) -> dict[str, Any]:
     vocab = 32000
     # per layer: 2 h^2 (q, o) + 2 h kv + 3 h (2.6 h) ~ 9.8 h^2; plus 2 vocab h.
     h = (parameters / (layers * 9.8)) ** 0.5
-    h = max(128, int(h // 128) * 128)
+    # Heads of 128 in a multiple of the 8 kv heads (grouped attention needs one of the other): h by 1024.
+    h = max(1024, int(h // 1024) * 1024)
     return {
         "model_type": "llama",
         "vocab_size": vocab,
