@@ -226,7 +226,7 @@ def growth(plot: str | None) -> None:
             )
             rows.append(("size", plan["parameter_count"], 64, seconds, rss))
             print(table([_row(rows[-1])], GROWTH), flush=True)
-        path = Path(work) / "llama-1e11.json"
+        path = Path(work) / f"llama-{1e11:.0e}.json"  # written by the loop above
         for world in (8, 64, 512, 8192):
             plan, seconds, rss = run_plan(
                 [
