@@ -29,6 +29,7 @@ CORE_LAYERS: list[tuple[str, ...]] = [
     ("checkpoint",),  # saving and loading: layouts, atomic publication, object stores, offline tools
     ("launchers",),  # starting, watching and restarting workers; where a process runs
     ("strategies",),  # the strategy bases, precision, manual wrapping
+    ("planning",),  # the plan: each strategy set up on a simulated world of fake tensors
     ("engine",),  # the Engine: a strategy's operations for any loop
     ("trainer",),  # the Trainer: the loop, its checks, checkpoints and resume, metrics, progress, events
     ("callbacks", "loggers"),  # the built-in plugins of one Trainer
@@ -232,7 +233,10 @@ def test_the_checks_find_a_cycle_an_upward_import_and_a_module_in_no_layer() -> 
     graph = {"stratagem.engine._engine": {"stratagem.trainer._trainer"}, "stratagem.stray": set()}
     problems = _violations("stratagem", graph, _layers("stratagem"))
     assert len(problems) == 2
-    assert "stratagem.engine._engine (layer 5: engine) imports stratagem.trainer._trainer" in problems[0]
+    engine = next(i for i, layer in enumerate(CORE_LAYERS) if "engine" in layer)
+    assert (
+        f"stratagem.engine._engine (layer {engine}: engine) imports stratagem.trainer._trainer" in problems[0]
+    )
     assert "stratagem.stray is in no layer" in problems[1]
     # Annotations may name a type of any layer; run-time imports may not.
     source = (
@@ -270,9 +274,10 @@ def _core_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def test_the_core_top_level_has_at_most_15_entries_and_no_module_over_400_lines() -> None:
+def test_the_core_top_level_has_at_most_16_entries_and_no_module_over_400_lines() -> None:
     entries = sorted(p.name for p in _core_root().iterdir() if p.name != "__pycache__")
-    assert len(entries) <= 15, entries
+    # 16 since stratagem.planning (issue 39) joined the packages, one per layer of the table above.
+    assert len(entries) <= 16, entries
     too_long = []
     for package in PACKAGES:
         for name, path in _modules(package).items():

@@ -207,12 +207,18 @@ def test_a_third_party_zero_strategy_written_from_the_hooks_is_certified(
 def test_every_hook_is_exercised(report: dict[str, tuple[str, str]]) -> None:
     from stratagem import hookspecs
     from stratagem.contract._recorder import HookRecorder
-    from stratagem.registry._manager import DISCOVERY_HOOKS, EVENT_HOOKS, LAUNCHER_HOOKS, STRATEGY_HOOKS
+    from stratagem.registry._manager import (
+        DISCOVERY_HOOKS,
+        EVENT_HOOKS,
+        LAUNCHER_HOOKS,
+        PLAN_HOOKS,
+        STRATEGY_HOOKS,
+    )
 
     # Every name the partition lists is a spec; whatever is left is a strategy operation, which the
     # recorder below must cover, so a new strategy hook cannot escape the contract suite.
     specs = {n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), f"{hookspecs.PROJECT_NAME}_spec")}
-    assert specs == STRATEGY_HOOKS | DISCOVERY_HOOKS | LAUNCHER_HOOKS | EVENT_HOOKS
+    assert specs == STRATEGY_HOOKS | DISCOVERY_HOOKS | LAUNCHER_HOOKS | EVENT_HOOKS | PLAN_HOOKS
     recorded = {n.removeprefix("record_") for n in dir(HookRecorder) if n.startswith("record_")}
     assert recorded == STRATEGY_HOOKS
     for strategy in ("single_device", ZERO, *BROKEN):

@@ -41,6 +41,8 @@ DESIGN_TABLE = {
 STEP_TABLE = {"check_batch_size", "run_training_batch", "run_evaluation_batch"}
 #: The launcher plugins' hooks (DESIGN: "where it grows next").
 LAUNCHER_TABLE = {"register_launchers", "launch_workers"}
+#: Asked by the plan (issue 39: stratagem plan, strategy="auto"), never during a run.
+PLAN_TABLE = {"estimate_memory"}
 #: What each rank holds of the model, for Hugging Face weights in and out (issue 38).
 WEIGHTS_TABLE = {"weight_shards"}
 #: Callbacks and loggers: their discovery hooks and the Trainer's events (issue 18).
@@ -52,7 +54,13 @@ HINTS_TABLE = {"register_install_hints"}
 def test_every_design_hook_exists():
     assert (
         set(HOOKS)
-        == DESIGN_TABLE | STEP_TABLE | LAUNCHER_TABLE | CALLBACK_TABLE | HINTS_TABLE | WEIGHTS_TABLE
+        == DESIGN_TABLE
+        | STEP_TABLE
+        | LAUNCHER_TABLE
+        | CALLBACK_TABLE
+        | HINTS_TABLE
+        | WEIGHTS_TABLE
+        | PLAN_TABLE
     )
 
 

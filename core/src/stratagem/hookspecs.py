@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from stratagem.checkpoint._hf_shards import WeightShard
     from stratagem.launchers._job import LaunchJob
     from stratagem.launchers.cluster import ClusterEnvironment
+    from stratagem.planning import MemoryEstimate, World
     from stratagem.strategies.compiling import Compiler
     from stratagem.strategies.step import StepOutput
 
@@ -386,6 +387,25 @@ def teardown() -> None:
     """Release what :func:`setup_environment` acquired (process group, devices, memory).
 
     Stops at the first non-``None`` result.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# planning: asked by `stratagem plan` and strategy="auto" before any run, never during one
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def estimate_memory(model: torch.nn.Module, world: World) -> MemoryEstimate | None:
+    """Estimate what each rank of this strategy holds, for a strategy the plan cannot simulate.
+
+    Stops at the first non-``None`` result. The plan asks before simulating: ``None`` (the base class) lets it
+    set the strategy up through its own hooks on a simulated world of fake tensors; a strategy whose hooks
+    cannot run there (its own engine, a runtime that needs devices) returns a
+    :class:`stratagem.planning.MemoryEstimate`.
+
+    :param model: the user's model, built on the meta device (shapes and dtypes, no values).
+    :param world: the simulated world: devices, nodes, precision, optimizer, micro-batch and sequence length.
     """
 
 

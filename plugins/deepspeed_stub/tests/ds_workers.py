@@ -76,15 +76,21 @@ def train_save_consolidate(engine: Any, workdir: str, max_norm: float) -> dict[s
     model, opt = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
     batches = _batches(engine)
     norms = []
+    strategy = engine.strategy
+    held: dict[str, int] = {}
     for step in range(STEPS):
         for j in range(ACCUMULATE):
             x, y = batches[step * ACCUMULATE + j]
             with engine.no_sync(model, enabled=j < ACCUMULATE - 1):
                 engine.backward(F.mse_loss(model(x), y) / ACCUMULATE, model)
+        # What the rank holds in the first step, as the contract counts it for the plan: gradients after
+        # backward, the rest after the step.
+        gradients = strategy.memory_held(model, getattr(opt, "optimizer", opt))["gradients"]
         norms.append(float(engine.clip_gradients(model, opt, max_norm)))
         opt.step()
+        if step == 0:
+            held = {**strategy.memory_held(model, getattr(opt, "optimizer", opt)), "gradients": gradients}
         opt.zero_grad()
-    strategy = engine.strategy
     params = strategy.module_state_dict(model, full=True)
     optim = strategy.optimizer_state_dict(model, opt, full=True)
     state = {"model": model, "optimizer": opt, "step": STEPS}
@@ -99,7 +105,7 @@ def train_save_consolidate(engine: Any, workdir: str, max_norm: float) -> dict[s
         "params": strategy.module_state_dict(fresh, full=True),
         "optim": strategy.optimizer_state_dict(fresh, fresh_opt, full=True),
     }
-    result = {"params": params, "optim": optim, "norms": norms, "loaded": loaded, "rest": rest}
+    result = {"params": params, "optim": optim, "norms": norms, "loaded": loaded, "rest": rest, "held": held}
     return result if engine.rank == 0 else {}
 
 

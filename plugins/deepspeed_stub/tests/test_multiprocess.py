@@ -127,6 +127,20 @@ def test_consolidated_checkpoint_loads_under_other_strategies(run: dict[str, Any
     assert loaded["rest"] == {"step": w.STEPS}
 
 
+def test_the_plan_estimates_what_each_rank_holds(run: dict[str, Any]) -> None:
+    """``estimate_memory`` (DeepSpeed's partitioning rules applied to the shapes) against the bytes rank 0 held
+    in the first step: the model's sizes divide by no world size, so ZeRO 1 pads its flat buffer (58 weights to
+    60) and ZeRO 3 each parameter's partition."""
+    from stratagem.planning import Workload, World, plan
+
+    result = plan(Workload(name="odd", build=w.Odd), World(devices=2), strategies=[run["name"]]).strategies[0]
+    assert result.status == "estimated", result.reason
+    planned = {
+        key: getattr(result.largest, key) for key in ("parameters", "buffers", "gradients", "optimizer")
+    }
+    assert planned == run["held"]
+
+
 def test_zero_stages_match_one_process_on_a_transformer_with_adamw(tmp_path: Path) -> None:
     """No clipping asked, none done: DeepSpeed's own default clips the gradient norm at 1.0 unless the config
     says otherwise (measured before the adapter set it to 0: 2e-2 relative after 10 steps for stages 1-2)."""

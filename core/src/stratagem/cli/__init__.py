@@ -46,6 +46,7 @@ COMMAND_MODULES = (
     "stratagem.cli.contract",
     "stratagem.cli.new",
     "stratagem.cli.doctor",
+    "stratagem.cli.plan",
 )
 #: The module of each command: a command line that names one imports that module alone (the listings answer
 #: sooner without the others' parsers and imports); anything else (``--help``, a wrong name) imports them all.
@@ -61,6 +62,7 @@ COMMAND_MODULE = {
     "contract": "stratagem.cli.contract",
     "new": "stratagem.cli.new",
     "doctor": "stratagem.cli.doctor",
+    "plan": "stratagem.cli.plan",
 }
 #: Other modules add their subcommands here (kept in their own modules so this one stays light).
 _PARSER_EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []

@@ -171,3 +171,18 @@ def reference_run(world_size: int, replicas: int | None = None) -> dict[str, Any
         "eval_loss": evaluated,
         "params_final": plain_state(model.state_dict()),
     }
+
+
+def plan_workload() -> Any:
+    """The contract's model as ``stratagem.planning`` plans it: the same model, one micro-batch of
+    ``PER_RANK_BATCH`` token sequences, the same loss, the same step (``Engine.train_batch``'s path)."""
+    from stratagem.planning import Workload
+
+    def batch(model: Any, batch_size: int, sequence_length: int) -> Any:
+        return torch.randint(VOCAB, (batch_size, SEQUENCE)), torch.randint(VOCAB, (batch_size, SEQUENCE))
+
+    def step(model: Any, wrapped: Any, batch: Any) -> torch.Tensor:
+        tokens, targets = batch
+        return loss_fn(wrapped(tokens), targets)
+
+    return Workload(name="the contract's model", build=ContractModel, batch=batch, step=step)

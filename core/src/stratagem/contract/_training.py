@@ -123,3 +123,20 @@ def train(
 
 def checkpoint_path(workdir: str, fmt: str) -> str:
     return str(Path(workdir) / ("checkpoint.pt" if fmt == "full" else "checkpoint-sharded"))
+
+
+def held_after_step(engine: Any) -> dict[str, int]:
+    """What this rank holds in one step of a fresh model (one micro-batch), as the strategy counts it: its
+    gradients as backward leaves them, the rest after the optimizer step. The plan's check compares the plan
+    with this. Gradients are counted before the step because a strategy may free them in it (DeepSpeed's ZeRO
+    1 and 2 do); every other strategy holds the same gradients before the step and after."""
+    from stratagem.engine._strategy_optimizer import _unwrap
+
+    model, optimizer = build(engine, m.MODEL_SEED)
+    tokens, targets = batches(engine)[0]
+    engine.train_batch(model, tokens, targets, m.loss_fn)
+    gradients = engine.strategy.memory_held(model, _unwrap(optimizer))["gradients"]
+    optimizer.step()
+    held = {**engine.strategy.memory_held(model, _unwrap(optimizer)), "gradients": gradients}
+    optimizer.zero_grad()
+    return held

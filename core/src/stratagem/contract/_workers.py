@@ -34,6 +34,7 @@ from stratagem.contract._training import (
     batches,
     build,
     checkpoint_path,
+    held_after_step,
     observed_params,
     saved_full,
     train,
@@ -312,6 +313,8 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
             if _has_full(spec):
                 _section(result, "final", lambda: final_state(engine, spec))
             _section(result, "trainer", lambda: trainer_run(engine, spec))
+            # What a rank holds after one step, for the plan's check (stratagem plan, test_plan).
+            _section(result, "held", lambda: held_after_step(engine))
             if spec.get("compile"):
                 _section(result, "compiled", lambda: compiled_run(engine, spec))
     else:

@@ -13,12 +13,11 @@ import torch
 from stratagem.engine._batch_steps import BatchSteps
 from stratagem.engine._checkpoint_io import CheckpointIO
 from stratagem.engine._defaults import DEFAULT_TIMEOUT_S
-from stratagem.engine._launching import Launching, with_launcher
+from stratagem.engine._launching import Launching, run_here, with_launcher
 from stratagem.engine._model_setup import ModelSetup
 from stratagem.engine._strategy_optimizer import StrategyOptimizer, _unwrap
 from stratagem.engine._strategy_runtime import StrategyRuntime, make_request
 from stratagem.engine.seed import seed_everything
-from stratagem.launchers import _rerun
 from stratagem.launchers import cluster as cluster_mod
 from stratagem.strategies.base import Strategy
 from stratagem.strategies.compiling import CompileOptions
@@ -100,6 +99,16 @@ class Engine:
     def capabilities(self) -> Any:
         return self._runtime.capabilities
 
+    @property
+    def plans_auto(self) -> bool:
+        """``strategy="auto"`` on several processes: the strategy is chosen at ``fit``, by a plan of the model."""
+        return self._runtime.plans_auto
+
+    def choose_strategy(self, workload: Any) -> Any:
+        """For :attr:`plans_auto`, before set-up: the strategy a plan of ``workload`` (a
+        ``stratagem.planning.Workload``) finds fitting with the least communication, said in one line."""
+        return self._runtime.choose(workload, self._config)
+
     def setup_environment(self) -> None:
         """Join the process group and select the device (done on first use otherwise)."""
         self._runtime.setup_environment()
@@ -130,20 +139,7 @@ class Engine:
         """
         if self.needs_launch:
             return self._launching.launch(fn, args)
-        target = _rerun.target_call()
-        if fn is not None and target is not None:
-            # A worker re-running the script for launch call `target`: pass earlier calls, run this one.
-            call = _rerun.next_call()
-            if call < target:
-                return _rerun.replayed_result(call)
-            self.setup_environment()
-            result = fn(self, *args)
-            if self.rank == 0:
-                _rerun.send_result(result, call)
-            self.teardown()
-            raise SystemExit(0)  # the rest of the script is the launching process's to run
-        self.setup_environment()
-        return None if fn is None else fn(self, *args)
+        return run_here(self, fn, args)
 
     # properties ------------------------------------------------------------------------------------
     @property

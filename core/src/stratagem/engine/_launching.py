@@ -155,6 +155,24 @@ def _always_launches(launcher: Any) -> bool:
     return info is not None and bool(info.capabilities.always_launches)
 
 
+def run_here(engine: Any, fn: Callable[..., Any] | None, args: tuple[Any, ...]) -> Any:
+    """``Engine.launch`` in a process that was launched: ``fn`` runs here, and a worker re-running the script
+    for one launch call passes the calls before it and ends after it."""
+    target = _rerun.target_call()
+    if fn is not None and target is not None:
+        call = _rerun.next_call()
+        if call < target:
+            return _rerun.replayed_result(call)
+        engine.setup_environment()
+        result = fn(engine, *args)
+        if engine.rank == 0:
+            _rerun.send_result(result, call)
+        engine.teardown()
+        raise SystemExit(0)  # the rest of the script is the launching process's to run
+    engine.setup_environment()
+    return None if fn is None else fn(engine, *args)
+
+
 def _worker_main(
     engine_class: type, config: dict[str, Any], fn: Callable[..., Any], args: tuple[Any, ...]
 ) -> Any:

@@ -99,6 +99,9 @@ class StrategyRuntime:
         self._info, self.created = self._resolve(strategy)
         self._named = self.created is None
         self._hooks: StrategyHooks | None = None
+        auto = isinstance(strategy, str) and strategy == "auto"
+        #: ``strategy="auto"`` on several processes, not chosen yet: planned at ``fit`` (docs/planning.md).
+        self.plans_auto = auto and request.world_size > 1 and not os.environ.get(STRATEGY_ENV)
         #: Whether this process has joined the process group (``setup_environment``) and not left it.
         self.ready = False
 
@@ -124,6 +127,23 @@ class StrategyRuntime:
     def capabilities(self) -> Any:
         info = self._info if self._info is not None else _info_for_instance(self.strategy)
         return None if info is None else info.capabilities
+
+    def choose(self, workload: Any, engine_arguments: dict[str, Any]) -> Any:
+        """``strategy="auto"`` planned: the strategy chosen for ``workload`` replaces the registry's pick, in this
+        process and in the workers (built from ``engine_arguments``, or re-running the script)."""
+        from stratagem.engine import _strategy_choice
+
+        choice = _strategy_choice.choose(workload, self.request)
+        name = choice.strategy.name
+        engine_arguments["strategy"] = name
+        if (
+            self.request.needs_launch
+        ):  # workers re-running the script take it as `stratagem run --strategy` does
+            os.environ[STRATEGY_ENV] = name
+        self._options = {}
+        self._info, self.created = self._resolve(name)
+        self._hooks, self.plans_auto = None, False
+        return choice
 
     def _resolve(self, strategy: str | Strategy) -> tuple[Any, Strategy | None]:
         """The registry's entry for the strategy (checked against the request) and the instance, if given."""

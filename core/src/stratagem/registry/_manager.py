@@ -49,6 +49,8 @@ DISCOVERY_HOOKS = frozenset(
     }
 )
 LAUNCHER_HOOKS = frozenset({"launch_workers"})
+#: Asked of the chosen strategy by the plan (``stratagem plan``, ``strategy="auto"``), never during a run.
+PLAN_HOOKS = frozenset({"estimate_memory"})
 #: The Trainer's events: broadcast hooks of callbacks and loggers, never of a strategy.
 EVENT_HOOKS = frozenset(hookspecs.TRAINER_EVENTS)
 
@@ -62,6 +64,7 @@ STRATEGY_HOOKS = (
     - DISCOVERY_HOOKS
     - LAUNCHER_HOOKS
     - EVENT_HOOKS
+    - PLAN_HOOKS
 )
 
 
@@ -198,7 +201,7 @@ def installed_plugins() -> list[types.ModuleType]:
 
 
 def _check_addon(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
-    for hook_name in STRATEGY_HOOKS:
+    for hook_name in STRATEGY_HOOKS | PLAN_HOOKS:
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
                 raise HookImplementationError(
@@ -334,6 +337,10 @@ class StrategyHooks:
     # teardown --------------------------------------------------------------------------------------
     def teardown(self) -> None:
         self._hook.teardown()
+
+    # planning --------------------------------------------------------------------------------------
+    def estimate_memory(self, model: torch.nn.Module, world: Any) -> Any:
+        return self._hook.estimate_memory(model=model, world=world)
 
 
 class LauncherHooks:

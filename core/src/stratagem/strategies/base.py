@@ -25,7 +25,8 @@ class Strategy(HookObject):
     Besides the hooks, four plain methods convert state for checkpoints; a strategy whose modules or
     optimizers keep state their own way (a ZeRO optimizer) overrides them:
     :meth:`module_state_dict`, :meth:`optimizer_state_dict`, :meth:`load_module_state_dict`,
-    :meth:`load_optimizer_state_dict`.
+    :meth:`load_optimizer_state_dict`. Such a strategy also overrides :meth:`memory_held`, which counts what a
+    rank holds (the plan and the contract suite read it).
     """
 
     plugin_kind = "strategy"
@@ -221,6 +222,14 @@ class Strategy(HookObject):
             module, optimizer, state_dict, options=StateDictOptions(full_state_dict=full)
         )
 
+    def memory_held(self, model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
+        """Bytes this rank holds now: ``{"parameters", "buffers", "gradients", "optimizer"}``, counted from its
+        tensors (a sharded tensor's local part). ``model`` is what :meth:`wrap_model` returned, ``optimizer``
+        what :meth:`setup_optimizers` returned."""
+        from stratagem.strategies.memory import counts
+
+        return counts(model, optimizer)
+
     # collectives -----------------------------------------------------------------------------------
     @hookimpl
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -242,6 +251,12 @@ class Strategy(HookObject):
     # teardown --------------------------------------------------------------------------------------
     @hookimpl
     def teardown(self) -> None:
+        return None
+
+    # planning --------------------------------------------------------------------------------------
+    # None: the plan simulates the strategy through its own hooks (see stratagem.planning).
+    @hookimpl
+    def estimate_memory(self, model: torch.nn.Module, world: Any) -> Any:
         return None
 
 

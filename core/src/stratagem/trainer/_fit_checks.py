@@ -13,6 +13,7 @@ from stratagem.checkpoint import _atomic, _store
 from stratagem.errors import CheckpointError, ConfigurationError
 from stratagem.launchers import _rerun
 from stratagem.trainer._configured_optimizers import parse_optimizers
+from stratagem.trainer._planned_module import fit_workload
 from stratagem.trainer.module import Module, defines_loss
 
 
@@ -30,15 +31,19 @@ def check_fit(
     *,
     strategy_made: bool,
 ) -> None:
-    """What ``fit`` is given; ``strategy_made``: the model's steps are checked against the strategy too."""
+    """What ``fit`` is given; ``strategy_made``: the model's steps are checked against the strategy too.
+    ``strategy="auto"`` on several processes is chosen here, by a plan of the model and the loader's first batch
+    (docs/planning.md), once both are known good and before the steps are checked against it."""
 
     # Asked only when configure_optimizers gives nothing: it creates the strategy in a launching process.
     def strategy_optimizer() -> bool:
         return provides_optimizer(engine.strategy)
 
     check_model(model, for_fit=True, strategy_optimizer=strategy_optimizer)
-    check_step(model, engine.strategy if strategy_made else None)
     check_loader(train_dataloaders, "train_dataloaders")
+    if engine.plans_auto:
+        engine.choose_strategy(fit_workload(model, train_dataloaders))
+    check_step(model, engine.strategy if strategy_made else None)
     if val_dataloaders is not None:
         check_loader(val_dataloaders, "val_dataloaders")
     check_ckpt_path(ckpt_path)

@@ -40,6 +40,8 @@ class Trainer:
     """Fit a :class:`~stratagem.Module` under a strategy chosen by name.
 
     :param strategy: a registered name, ``"auto"`` or a ``Strategy`` instance (see :class:`~stratagem.Engine`).
+        ``"auto"`` with several processes plans the model at ``fit`` and takes the strategy that fits each
+        device's memory with the least communication (docs/planning.md).
     :param accelerator: ``"auto"``, ``"cpu"`` or ``"cuda"``.
     :param devices: processes per node. With more than one and no launcher around, ``fit`` re-runs the script
         in that many workers (torch's elastic agent); this process waits and exits with their status.

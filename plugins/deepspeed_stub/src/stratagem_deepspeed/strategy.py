@@ -250,6 +250,35 @@ class DeepSpeedStrategy(TorchDistributedStrategy):
         engine = _wrapper(model).__dict__["engine"]
         return contextlib.nullcontext() if engine is None else _not_a_boundary(engine)
 
+    # memory ----------------------------------------------------------------------------------------
+    def memory_held(self, model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
+        """Bytes this rank holds, counted from DeepSpeed's own buffers (``stratagem_deepspeed._memory``): its
+        flat parameter buffers or partitions, its gradient partitions, the fp32 master weights with the
+        optimizer's state. Before ``setup_optimizers``, the module's tensors as any strategy counts them."""
+        from stratagem.strategies.memory import buffer_bytes
+        from stratagem_deepspeed import _memory
+
+        wrapper = _wrapper(model)
+        engine = wrapper.__dict__["engine"]
+        if engine is None or not _runtime.zero_stage(engine):
+            return Strategy.memory_held(self, model, optimizer)
+        zero = engine.optimizer
+        return {
+            "parameters": _memory.parameter_bytes(wrapper.module, zero),
+            "buffers": buffer_bytes(wrapper.module),
+            "gradients": _memory.gradient_bytes(wrapper.module, zero),
+            "optimizer": _memory.optimizer_bytes(zero),
+        }
+
+    @hookimpl
+    def estimate_memory(self, model: torch.nn.Module, world: Any) -> Any:
+        # DeepSpeed's engine needs a real process group and devices (LOCAL_RANK, its accelerator): the plan
+        # cannot simulate it, so it estimates from the shapes by ZeRO's rules.
+        from stratagem_deepspeed import _memory
+
+        numel = sum(p.numel() for p in model.parameters())
+        return _memory.estimate(self.config.deepspeed_config(world.precision, "cpu", numel), model, world)
+
     # checkpoint ------------------------------------------------------------------------------------
     @hookimpl
     def save_checkpoint(self, path: str, state: dict[str, Any], format: str) -> None:

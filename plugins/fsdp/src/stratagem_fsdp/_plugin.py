@@ -10,7 +10,7 @@ from stratagem.registry.capabilities import Capabilities
 _FACTORY = "stratagem_fsdp.strategy:FSDPStrategy"
 
 
-def _capabilities(min_world_size: int = 1) -> Capabilities:
+def _capabilities(min_world_size: int = 1, auto_priority: int | None = None) -> Capabilities:
     return Capabilities(
         accelerators={"cpu", "cuda"},
         # 16-mixed is CUDA-only; the core refuses it on CPU whatever is declared here.
@@ -18,6 +18,7 @@ def _capabilities(min_world_size: int = 1) -> Capabilities:
         checkpoint_formats={"full", "sharded"},
         min_world_size=min_world_size,
         max_world_size=None,
+        auto_priority=auto_priority,
     )
 
 
@@ -27,7 +28,9 @@ def register_strategies(register: Callable[..., None]) -> None:
         "fsdp",
         _FACTORY,
         description="FSDP2: parameters, gradients and optimizer state sharded across processes",
-        capabilities=_capabilities(),
+        # strategy="auto" with several processes takes it where a plan finds that ddp does not fit (below
+        # ddp's priority, so that ddp stays the default where the model is not planned).
+        capabilities=_capabilities(auto_priority=5),
     )
     register(
         "fsdp_cpu_offload",
