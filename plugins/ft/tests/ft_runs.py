@@ -1,5 +1,5 @@
-"""What the tests of stratagem-ft share: a launch of ``ft_train.py`` in a subprocess under a timeout, and what
-they read from it."""
+"""What the tests of stratagem-ft share: a launch of ``ft_train.py`` in a subprocess under a timeout, what they
+read from it, and the data each replica takes at each step (for the references written out by hand)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,35 @@ def full_loss(params: dict[str, torch.Tensor]) -> float:
     x, y = ft_train.dataset().tensors
     with torch.no_grad():
         return torch.nn.functional.mse_loss(model(x), y).item()
+
+
+def replica_batch(
+    replica: int, step: int, replicas: int = 2, batch: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch that the process of global rank ``replica`` (of ``replicas``, one per group) trains on at
+    ``step`` (from 0): the Trainer's data order, one permutation of the data set per epoch from seed 0, dealt
+    round-robin to the ranks, ``batch`` samples each."""
+    import ft_train
+
+    x, y = ft_train.dataset().tensors
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    index = order[replica::replicas][step * batch : (step + 1) * batch]
+    return x[index], y[index]
+
+
+def data_parallel_reference(steps: int, replicas: int = 2, batch: int = 4) -> dict[str, torch.Tensor]:
+    """Data-parallel training by hand, in this process: one model, each step's gradient the mean of the
+    ``replicas`` ranks' batch gradients (what ``ddp`` over as many processes computes), ``steps`` steps of the
+    worker's SGD."""
+    import ft_train
+
+    torch.manual_seed(0)
+    model = ft_train.Regression()
+    optimizer = torch.optim.SGD(model.parameters(), lr=model.lr, momentum=0.9)
+    for step in range(steps):
+        optimizer.zero_grad()
+        for rank in range(replicas):
+            x, y = replica_batch(rank, step, replicas, batch)
+            (torch.nn.functional.mse_loss(model(x), y) / replicas).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

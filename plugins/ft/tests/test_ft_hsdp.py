@@ -1,5 +1,5 @@
 """``ft_hsdp`` on real torchft: two replica groups of two processes each (FSDP2 inside each group), one launch
-in which group 1's rank 0 is killed at step 10 of 30: its whole group restarts (torch's elastic agent) and each
+in which group 1's rank 0 is killed at step 5 of 20: its whole group restarts (torch's elastic agent) and each
 of its ranks heals its shards from the same rank of the survivor."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from ft_runs import finish, full_loss, initial_params, rows, start
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
-STEPS, KILL_AT, QUORUM_TIMEOUT = 30, 10, 20.0
+STEPS, KILL_AT, QUORUM_TIMEOUT = 20, 5, 20.0
 # The killed group's other rank waits on its dead rank 0's Manager for `timeout` seconds before it fails and
 # its agent restarts the group; 5 s (not the default 60) keeps the restart within the survivor's steps.
 FT = f"ft_hsdp[num_replica_groups=2,quorum_timeout={QUORUM_TIMEOUT},timeout=5]"
@@ -27,9 +27,9 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out,
         *("--strategy", FT, "--devices", "2"),
         *("--launcher", "replica_groups", "--steps", str(STEPS), "--max-restarts", "1"),
-        *("--kill-group", "1", "--kill-at", str(KILL_AT), "--step-sleep", "0.3", "--sleep-while-alone", "3"),
+        *("--kill-group", "1", "--kill-at", str(KILL_AT), "--step-sleep", "0.1", "--sleep-while-alone", "3"),
     )
-    return {"out": out, "output": finish(run, 500)}
+    return {"out": out, "output": finish(run, 360)}
 
 
 def test_the_survivor_loses_no_step(killed: dict[str, Any]) -> None:
