@@ -28,6 +28,7 @@ from stratagem.checkpoint._hf_shards import WeightShard, transfers
 from stratagem.checkpoint._hf_write import (
     ExportPlan,
     Files,
+    Held,
     companions,
     plan_export,
     publish,
@@ -96,10 +97,11 @@ def export_checkpoint(
         plan = plan_export(listing, to_hf, dict(record.get("tied") or {}), _bytes(max_shard_size))
         staging = staging_dir(target, overwrite)
         try:
-            files = Files(staging, plan.output, foreign=tensors.mapped)
+            held = Held(foreign=tensors.mapped)
+            files = Files(staging, plan.output, held)
             files.create()
             progress = Progress("export", plan.output.total_size, enabled=True)
-            for group in groups(plan):
+            for group in groups(plan, held):
                 for name in list(group):
                     tensor = group.pop(name)  # let go once written: the next group is read in its place
                     _write_whole(files, plan, name, tensor)
@@ -119,7 +121,7 @@ def export_checkpoint(
         "files": sorted(plan.output.files),
         "tensors": len(plan.output.tensors),
         "bytes": plan.output.total_size,
-        "peak_bytes": files.held.peak,
+        "peak_bytes": held.peak,
         "mapped": bool(tensors.mapped),
         "copied": sorted(extra),
     }
@@ -140,15 +142,16 @@ def _write_whole(files: Files, plan: ExportPlan, name: str, tensor: torch.Tensor
 
 
 class _TensorsOf:
-    """``(listing, groups)``: the module's tensors ``(name, shape, dtype)`` in order, and a function that yields
-    them in groups ``{name: tensor}``; a context manager, for the scratch copy of a full checkpoint on a store."""
+    """``(listing, groups)``: the module's tensors ``(name, shape, dtype)`` in order, and a function
+    ``groups(plan, held)`` that yields them in groups ``{name: tensor}``, counting in ``held`` what it reads
+    into memory; a context manager, for the scratch copy of a full checkpoint on a store."""
 
     def __init__(self, source: Source, module: str) -> None:
         self.source, self.module, self.scratch = source, module, None
         #: The memory of a full checkpoint's tensors, mapped from its file: paged in as each is written.
         self.mapped: set[int] = set()
 
-    def __enter__(self) -> tuple[list[Any], Callable[[ExportPlan], Iterator[dict[str, torch.Tensor]]]]:
+    def __enter__(self) -> tuple[list[Any], Callable[[ExportPlan, Held], Iterator[dict[str, torch.Tensor]]]]:
         source = self.source
         if source.format() == "full":
             if isinstance(source, StoreSource):  # mapped from a local copy, never read whole into memory
@@ -164,16 +167,22 @@ class _TensorsOf:
                 )
             tensors = {k: v for k, v in models[self.module].items() if isinstance(v, torch.Tensor)}
             self.mapped = {storage_of(v) for v in tensors.values()}
-            return _listing(tensors), lambda plan: ({k: v} for k, v in tensors.items())
+            return _listing(tensors), lambda plan, held: ({k: v} for k, v in tensors.items())
         strategy = layout_strategy(source)
         if strategy is not None:
             tensors = _layout_weights(strategy, source.location, self.module)  # type: ignore[arg-type]
-            return _listing(tensors), lambda plan: iter([dict(tensors)])
+            return _listing(tensors), lambda plan, held: iter([_counted(held, tensors)])
         return _dcp_tensors(source, self.module)
 
     def __exit__(self, *exc: Any) -> None:
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _counted(held: Held, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for tensor in tensors.values():
+        held.add(tensor)
+    return dict(tensors)
 
 
 def _listing(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -194,17 +203,17 @@ def _dcp_tensors(sharded: Source, module: str) -> tuple[list[Any], Any]:
     if not listing:
         raise CheckpointError(source, f"has no module {module!r}.")
 
-    def groups(plan: ExportPlan) -> Iterator[dict[str, torch.Tensor]]:
+    def groups(plan: ExportPlan, held: Held) -> Iterator[dict[str, torch.Tensor]]:
         # One DCP read per group of at most one output shard's size: few reads of the index, bounded memory.
         limit = max(size for _, size in plan.output.files.values())
         group: list[Any] = []
         for item in listing:
             if group and sum(nbytes(s, d) for _, s, d in group) + nbytes(item[1], item[2]) > limit:
-                yield _read_group(source, data, prefix, group)
+                yield _counted(held, _read_group(source, data, prefix, group))
                 group = []
             group.append(item)
         if group:
-            yield _read_group(source, data, prefix, group)
+            yield _counted(held, _read_group(source, data, prefix, group))
 
     return listing, groups
 
@@ -286,7 +295,7 @@ def save_live(
     agree(strategy, target, error, "starting the Hugging Face export")
     staging = Path(strategy.broadcast(str(staging), 0))
     # The shards are the model's own memory; what the export holds beyond them is its casts and copies.
-    files = Files(staging, plan.output, foreign={storage_of(s.tensor) for s in shards})
+    files = Files(staging, plan.output, Held(foreign={storage_of(s.tensor) for s in shards}))
     try:
         _write_held(strategy, shards, writer, plan, files, staging)
     except Exception as exc:

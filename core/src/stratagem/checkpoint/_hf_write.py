@@ -85,10 +85,10 @@ def storage_of(tensor: torch.Tensor) -> int:
 
 
 class Held:
-    """The bytes of the tensors an export holds at once: each memory block (storage) handed to it counts from
-    then until it is freed, wherever it was made, so an export that gathered the whole model before writing
-    holds it all by its last write. Blocks in ``foreign`` (the running model's own tensors, a mapped
-    checkpoint file) are not the export's and are not counted."""
+    """The bytes of the tensors an export holds at once: each memory block (storage) counts from when the
+    export makes it (:meth:`add` where it reads tensors) or, made elsewhere, first writes from it, until it is
+    freed. Blocks in ``foreign`` (the running model's own tensors, a mapped checkpoint file) are not the
+    export's and are not counted."""
 
     def __init__(self, foreign: Iterable[int] = ()) -> None:
         self.foreign = set(foreign)
@@ -114,16 +114,15 @@ class Held:
 class Files:
     """The output files of a plan in ``directory``: created (:meth:`create`, once), then written in place.
 
-    :param foreign: the memory blocks (:func:`storage_of`) that are not the export's own, for :attr:`held`.
+    :param held: where the tensors written from are counted (``held.peak``: the most bytes held at once).
     """
 
-    def __init__(self, directory: Path, plan: OutputPlan, foreign: Iterable[int] = ()) -> None:
+    def __init__(self, directory: Path, plan: OutputPlan, held: Held | None = None) -> None:
         self.directory, self.plan = directory, plan
         self._fds: dict[str, int] = {}
         #: Bytes written by this process.
         self.bytes_written = 0
-        #: The tensors written from, and the most bytes of them held at once (``held.peak``).
-        self.held = Held(foreign)
+        self.held = Held() if held is None else held
 
     def create(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
