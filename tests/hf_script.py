@@ -2,12 +2,14 @@
 
 - ``--load``: a tiny Llama built on the meta device, filled from the safetensors folder ``--hf``
   (``Engine.setup(init_weights=...)``), then exported straight back (``save_weights``, to ``OUT/export-NAME``);
-  the logits of a fixed batch and the bytes each rank read and wrote go to ``OUT/load-NAME-rankR.pt``.
+  the logits of a fixed batch and the bytes each rank read, wrote and held go to ``OUT/load-NAME-rankR.pt``.
+  ``NAME@KEY`` loads from ``--source KEY=WHERE`` instead (a URL, or a folder of more tensors than the model's,
+  read with ``strict=False`` when KEY is given to ``--loose``).
 - ``--finetune``: 5 steps of ``Trainer(init_weights=..., callbacks=[HFExport])``, then a sharded and a full
   checkpoint (and with ``--s3 URL``, the same sharded checkpoint on S3) and the trained model's logits, in
   ``OUT/ft-NAME/``.
 
-    stratagem run --devices 2 hf_script.py --hf DIR --out OUT --load ddp,fsdp --finetune fsdp
+    stratagem run --devices 2 hf_script.py --hf DIR --out OUT --load ddp,fsdp@s3 --source s3=s3://b/llama
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from transformers import LlamaForCausalLM
 
 import stratagem as sg
 from stratagem.callbacks import HFExport
-from stratagem.checkpoint.hf import save_weights
+from stratagem.checkpoint.hf import HFWeights, save_weights
 
 STEPS = 5
 BATCH = 4
@@ -80,6 +82,10 @@ def _strategy(name: str) -> Any:
         from stratagem_tp import FSDPTPStrategy
 
         return FSDPTPStrategy(tensor_parallel_size=2)
+    if name == "hsdp":  # 2 replicas of 2 shards (on one node its default mesh is 1 x N, plain fsdp)
+        from stratagem_fsdp import FSDPStrategy
+
+        return FSDPStrategy(sharding_strategy="HYBRID_SHARD", replicate_size=2, shard_size=2)
     return name
 
 
@@ -89,20 +95,26 @@ def _logits(engine: Any, model: Any, batch: torch.Tensor) -> torch.Tensor | None
     return None if out is None else out.detach().float().cpu()
 
 
-def load(strategy: str, devices: int, hf: str, out: Path) -> None:
+def load(strategy: str, devices: int, hf: str, out: Path, weights: Any) -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf)
     engine = sg.Engine(strategy=_strategy(strategy), accelerator="cpu", devices=devices)
     with engine.init_module(empty_init=True):
         module = llama_module(config)
-    model = engine.setup(module, init_weights=hf)
+    model = engine.setup(module, init_weights=weights)
     report = module.__dict__["_stratagem_hf_report"]
     logits = _logits(engine, model, tokens()[:, :-1])
     # Straight back out from the shards: each part written once, by one rank that holds it.
-    written = save_weights(engine, model, out / f"export-{strategy}", max_shard_size="40KB")["bytes_written"]
+    export = save_weights(engine, model, out / f"export-{strategy}", max_shard_size="40KB")
     torch.save(
-        {"logits": logits, "report": report, "written": written},
+        {
+            "logits": logits,
+            "report": report,
+            "written": export["bytes_written"],
+            "held": export["peak_bytes"],
+            "source": module.__dict__["_stratagem_hf"]["source"],  # where the load found the files
+        },
         out / f"load-{strategy}-rank{engine.rank}.pt",
     )
     engine.barrier()
@@ -149,10 +161,17 @@ def main() -> None:
     p.add_argument("--load", default="")
     p.add_argument("--finetune", default="")
     p.add_argument("--s3", default=None)
+    p.add_argument("--source", action="append", default=[], help="KEY=WHERE, for --load NAME@KEY")
+    p.add_argument("--loose", action="append", default=[], help="a KEY of --source read with strict=False")
     args = p.parse_args()
     out = Path(args.out)
-    for strategy in filter(None, args.load.split(",")):
-        load(strategy, args.devices, args.hf, out)
+    sources = dict(item.split("=", 1) for item in args.source)
+    for spec in filter(None, args.load.split(",")):
+        strategy, _, key = spec.partition("@")
+        weights: Any = sources[key] if key else args.hf
+        if key in args.loose:
+            weights = HFWeights(weights, strict=False)
+        load(strategy, args.devices, args.hf, out, weights)
     for strategy in filter(None, args.finetune.split(",")):
         finetune(strategy, args.devices, args.hf, out, args.s3)
 

@@ -299,6 +299,8 @@ def test_a_folder_without_weights_and_a_missing_path_are_refused_before_any_laun
     _fit_fails(tmp_path, tmp_path / "empty", "holds no .safetensors files")
     with pytest.raises(CheckpointError, match="does not exist"):
         sg.Trainer(strategy="ddp", accelerator="cpu", devices=2, init_weights=tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match=r"http:// URL, which init_weights does not read\. Download"):
+        sg.Trainer(strategy="ddp", accelerator="cpu", devices=2, init_weights="http://127.0.0.1:9/llama")
 
 
 def test_strict_false_lists_what_does_not_fit_and_initialises_it(tmp_path: Path) -> None:

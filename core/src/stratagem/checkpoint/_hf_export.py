@@ -25,7 +25,16 @@ from stratagem.checkpoint import _dcp, _read, _store
 from stratagem.checkpoint._hf_names import resolve_adapter, transformers_prefix, with_prefix
 from stratagem.checkpoint._hf_progress import Progress, agree
 from stratagem.checkpoint._hf_shards import WeightShard, transfers
-from stratagem.checkpoint._hf_write import ExportPlan, Files, companions, plan_export, publish, staging_dir
+from stratagem.checkpoint._hf_write import (
+    ExportPlan,
+    Files,
+    Held,
+    companions,
+    plan_export,
+    publish,
+    staging_dir,
+    storage_of,
+)
 from stratagem.checkpoint._read import LocalSource, Source, StoreSource
 from stratagem.checkpoint._safetensors import nbytes, parse_size
 from stratagem.checkpoint._weights import _layout_weights, layout_strategy, read_plain_state
@@ -54,20 +63,6 @@ def _names(record: dict[str, Any], adapter: Any, prefix: str | None) -> Callable
     return with_prefix(record.get("prefix", "") if prefix is None else prefix)
 
 
-class _Meter:
-    """The bytes of tensors an export holds at once (what it materialised), and the most it held."""
-
-    def __init__(self) -> None:
-        self.current = self.peak = 0
-
-    def hold(self, n: int) -> None:
-        self.current += n
-        self.peak = max(self.peak, self.current)
-
-    def drop(self, n: int) -> None:
-        self.current -= n
-
-
 # -------------------------------------------------------------------------------------------------
 # offline, from a checkpoint
 # -------------------------------------------------------------------------------------------------
@@ -90,28 +85,28 @@ def export_checkpoint(
     The names go through ``adapter`` (a function, an object with ``to_hf``, or its ``module:name``), else the
     one the run recorded when it loaded Hugging Face weights, else the ``prefix`` dropped (default: the one
     recorded). The config and tokenizer files are copied from ``config_from``, else the folder the run started
-    from. Returns what was written: files, tensors, bytes, and ``peak_bytes`` held at once.
+    from. Returns what was written: files, tensors, bytes; ``peak_bytes``, the most bytes of tensors it held in
+    memory at once (a full checkpoint's are mapped from its file, not counted: ``mapped``).
     """
     source = _read.source(checkpoint)
     target = _store.location(output)
     record = dict(read_plain_state(source.location).get("hf") or {})
     to_hf = _names(record, adapter, prefix)
-    with _TensorsOf(source, module) as (listing, groups):
+    tensors = _TensorsOf(source, module)
+    with tensors as (listing, groups):
         plan = plan_export(listing, to_hf, dict(record.get("tied") or {}), _bytes(max_shard_size))
         staging = staging_dir(target, overwrite)
-        meter, written = _Meter(), 0
         try:
-            files = Files(staging, plan.output)
+            held = Held(foreign=tensors.mapped)
+            files = Files(staging, plan.output, held)
             files.create()
             progress = Progress("export", plan.output.total_size, enabled=True)
-            for group in groups(plan):
-                size = sum(t.numel() * t.element_size() for t in group.values())
-                meter.hold(size)
-                for name, tensor in group.items():
-                    written += _write_whole(files, plan, name, tensor)
+            for group in groups(plan, held):
+                for name in list(group):
+                    tensor = group.pop(name)  # let go once written: the next group is read in its place
+                    _write_whole(files, plan, name, tensor)
                     progress.advance(tensor.numel() * tensor.element_size())
-                group.clear()
-                meter.drop(size)
+                    del tensor
             files.close()
             progress.close()
             folder = str(config_from) if config_from is not None else record.get("source")
@@ -126,7 +121,8 @@ def export_checkpoint(
         "files": sorted(plan.output.files),
         "tensors": len(plan.output.tensors),
         "bytes": plan.output.total_size,
-        "peak_bytes": meter.peak,
+        "peak_bytes": held.peak,
+        "mapped": bool(tensors.mapped),
         "copied": sorted(extra),
     }
 
@@ -138,24 +134,24 @@ def _bytes(max_shard_size: int | str) -> int:
         raise CheckpointError("(export)", str(error)) from error
 
 
-def _write_whole(files: Files, plan: ExportPlan, name: str, tensor: torch.Tensor) -> int:
+def _write_whole(files: Files, plan: ExportPlan, name: str, tensor: torch.Tensor) -> None:
     shard = WeightShard(name, tuple(tensor.shape), tensor.contiguous(), offsets=(0,) * tensor.dim())
-    written = 0
     for link in plan.links.get(name, []):
         for transfer in transfers(shard, link, plan.output.tensors[link.hf].shape):
             files.write(transfer)
-            written += transfer.local.numel()
-    return written
 
 
 class _TensorsOf:
-    """``(listing, groups)``: the module's tensors ``(name, shape, dtype)`` in order, and a function that yields
-    them in groups ``{name: tensor}``; a context manager, for the scratch copy of a full checkpoint on a store."""
+    """``(listing, groups)``: the module's tensors ``(name, shape, dtype)`` in order, and a function
+    ``groups(plan, held)`` that yields them in groups ``{name: tensor}``, counting in ``held`` what it reads
+    into memory; a context manager, for the scratch copy of a full checkpoint on a store."""
 
     def __init__(self, source: Source, module: str) -> None:
         self.source, self.module, self.scratch = source, module, None
+        #: The memory of a full checkpoint's tensors, mapped from its file: paged in as each is written.
+        self.mapped: set[int] = set()
 
-    def __enter__(self) -> tuple[list[Any], Callable[[ExportPlan], Iterator[dict[str, torch.Tensor]]]]:
+    def __enter__(self) -> tuple[list[Any], Callable[[ExportPlan, Held], Iterator[dict[str, torch.Tensor]]]]:
         source = self.source
         if source.format() == "full":
             if isinstance(source, StoreSource):  # mapped from a local copy, never read whole into memory
@@ -170,16 +166,23 @@ class _TensorsOf:
                     self.source.location, f"has no module {self.module!r}; it holds {sorted(models)}."
                 )
             tensors = {k: v for k, v in models[self.module].items() if isinstance(v, torch.Tensor)}
-            return _listing(tensors), lambda plan: ({k: v} for k, v in tensors.items())
+            self.mapped = {storage_of(v) for v in tensors.values()}
+            return _listing(tensors), lambda plan, held: ({k: v} for k, v in tensors.items())
         strategy = layout_strategy(source)
         if strategy is not None:
             tensors = _layout_weights(strategy, source.location, self.module)  # type: ignore[arg-type]
-            return _listing(tensors), lambda plan: iter([dict(tensors)])
+            return _listing(tensors), lambda plan, held: iter([_counted(held, tensors)])
         return _dcp_tensors(source, self.module)
 
     def __exit__(self, *exc: Any) -> None:
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _counted(held: Held, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for tensor in tensors.values():
+        held.add(tensor)
+    return dict(tensors)
 
 
 def _listing(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -200,17 +203,17 @@ def _dcp_tensors(sharded: Source, module: str) -> tuple[list[Any], Any]:
     if not listing:
         raise CheckpointError(source, f"has no module {module!r}.")
 
-    def groups(plan: ExportPlan) -> Iterator[dict[str, torch.Tensor]]:
+    def groups(plan: ExportPlan, held: Held) -> Iterator[dict[str, torch.Tensor]]:
         # One DCP read per group of at most one output shard's size: few reads of the index, bounded memory.
         limit = max(size for _, size in plan.output.files.values())
         group: list[Any] = []
         for item in listing:
             if group and sum(nbytes(s, d) for _, s, d in group) + nbytes(item[1], item[2]) > limit:
-                yield _read_group(source, data, prefix, group)
+                yield _counted(held, _read_group(source, data, prefix, group))
                 group = []
             group.append(item)
         if group:
-            yield _read_group(source, data, prefix, group)
+            yield _counted(held, _read_group(source, data, prefix, group))
 
     return listing, groups
 
@@ -291,7 +294,8 @@ def save_live(
             error = exc
     agree(strategy, target, error, "starting the Hugging Face export")
     staging = Path(strategy.broadcast(str(staging), 0))
-    files = Files(staging, plan.output)
+    # The shards are the model's own memory; what the export holds beyond them is its casts and copies.
+    files = Files(staging, plan.output, Held(foreign={storage_of(s.tensor) for s in shards}))
     try:
         _write_held(strategy, shards, writer, plan, files, staging)
     except Exception as exc:
@@ -310,6 +314,7 @@ def save_live(
         "files": sorted(plan.output.files),
         "bytes": plan.output.total_size,
         "bytes_written": files.bytes_written,
+        "peak_bytes": files.held.peak,
         # Seconds on this rank: planning and writing its parts; rank 0 publishing (with its fsyncs).
         "seconds_writing": written - started,
         "seconds_publishing": time.monotonic() - written,

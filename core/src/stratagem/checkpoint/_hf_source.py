@@ -47,7 +47,7 @@ class Source:
     """
 
     def __init__(self, where: str | os.PathLike[str]) -> None:
-        self.where = _store.location(where)
+        self.where = _location(where)
         self.remote = isinstance(self.where, str)
         self.folder, self.files = self._find_files()
         self.entries: dict[str, Entry] = {}
@@ -205,8 +205,21 @@ class Source:
         return [n for n in self._list(self.folder) if not n.startswith(".") and not n.endswith(weights)]
 
 
+def _location(where: str | os.PathLike[str]) -> Path | str:
+    scheme = _store.scheme_of(where)
+    if scheme in ("http", "https"):
+        # A web server has no listing to find a folder's files by: the URLs read are object stores'.
+        raise CheckpointError(
+            os.fspath(where),
+            f"is an {scheme}:// URL, which init_weights does not read. Download the folder first "
+            "(huggingface-cli download ID --local-dir DIR, or curl each file), or copy it to an object store. "
+            f"{_EXPECTS}.",
+        )
+    return _store.location(where)
+
+
 def check_exists(where: str | os.PathLike[str]) -> None:
     """Refuse a local source that does not exist, before anything launches (URLs are checked where read)."""
-    location = _store.location(where)
+    location = _location(where)
     if isinstance(location, Path) and not location.exists():
         Source(location)  # raises with the full explanation

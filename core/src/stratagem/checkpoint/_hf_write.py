@@ -14,7 +14,8 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +79,50 @@ def natural(name: str) -> list[Any]:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
-class Files:
-    """The output files of a plan in ``directory``: created (:meth:`create`, once), then written in place."""
+def storage_of(tensor: torch.Tensor) -> int:
+    """The address of the memory under ``tensor`` (the same for all its views)."""
+    return tensor.untyped_storage().data_ptr()
 
-    def __init__(self, directory: Path, plan: OutputPlan) -> None:
+
+class Held:
+    """The bytes of the tensors an export holds at once: each memory block (storage) counts from when the
+    export makes it (:meth:`add` where it reads tensors) or, made elsewhere, first writes from it, until it is
+    freed. Blocks in ``foreign`` (the running model's own tensors, a mapped checkpoint file) are not the
+    export's and are not counted."""
+
+    def __init__(self, foreign: Iterable[int] = ()) -> None:
+        self.foreign = set(foreign)
+        self.current = self.peak = 0
+        self._alive: set[int] = set()
+
+    def add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address in self.foreign or address in self._alive or storage.nbytes() == 0:
+            return
+        self._alive.add(address)
+        self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        # Fired when the memory itself is freed (not a view of it): storages keep one Python object.
+        weakref.finalize(storage, self._freed, address, storage.nbytes())
+
+    def _freed(self, address: int, n: int) -> None:
+        self._alive.discard(address)
+        self.current -= n
+
+
+class Files:
+    """The output files of a plan in ``directory``: created (:meth:`create`, once), then written in place.
+
+    :param held: where the tensors written from are counted (``held.peak``: the most bytes held at once).
+    """
+
+    def __init__(self, directory: Path, plan: OutputPlan, held: Held | None = None) -> None:
         self.directory, self.plan = directory, plan
         self._fds: dict[str, int] = {}
-        #: Bytes written by this process, and the most it held in memory at once for the export.
+        #: Bytes written by this process.
         self.bytes_written = 0
+        self.held = Held() if held is None else held
 
     def create(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -98,8 +135,10 @@ class Files:
         """Write ``transfer.local`` at its place in its tensor's file."""
         planned = self.plan.tensors[transfer.hf]
         data = transfer.local.detach()
+        self.held.add(data)
         if data.device.type != "cpu" or not data.is_contiguous() or data.dtype != planned.dtype:
             data = data.to("cpu", planned.dtype).contiguous()
+            self.held.add(data)
         fd = self._fds.get(planned.file)
         if fd is None:
             fd = self._fds[planned.file] = os.open(self.directory / planned.file, os.O_WRONLY)

@@ -81,6 +81,8 @@ def save_weights(
     :param max_shard_size: the most data per ``.safetensors`` file (``"5GB"``: 5 x 10**9 bytes, as Hugging
         Face counts; ``"500MiB"``; or bytes).
     :param overwrite: replace an existing non-empty ``output``.
+    :returns: ``files``, ``bytes``; this rank's ``bytes_written`` and ``peak_bytes``, the most bytes of tensors
+        it held at once beside the model's own (its casts and copies).
     """
     shards = _shards(engine, model, "export")
     return save_live(

@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
             if report["copied"]
             else "; no config copied (--config-from)"
         )
-        + f"; at most {size_text(report['peak_bytes'])} of tensors in memory at once. The optimizer state is not "
-        "exported."
+        + f"; at most {size_text(report['peak_bytes'])} of tensors read into memory at once"
+        + (" (the checkpoint's mapped from its file)" if report["mapped"] else "")
+        + ". The optimizer state is not exported."
     )
     return 0
