@@ -1,11 +1,18 @@
-"""One flipped bit at a random offset of a random file of a checkpoint is detected (issue 41): under ddp, fsdp,
-fsdp_tp and deepspeed_stage_3, full and sharded, on the local disk and on S3 (moto on 127.0.0.1).
+"""One flipped bit anywhere in a checkpoint is detected (issue 41): under ddp, fsdp, fsdp_tp and
+deepspeed_stage_3, full and sharded, on the local disk and on S3 (moto on 127.0.0.1).
 
 One launch (bitflip_runs.run_all) writes every checkpoint and checks, once per strategy, that
 ``ckpt_path="last"`` skips a corrupted newest checkpoint and resumes from the previous one, ending bit-identical
-to the run never interrupted. Then, in this process, 20 trials per checkpoint (seeds 0-19, printed): a bit
-flipped, ``stratagem checkpoint verify``'s function and ``Engine.load`` (single_device, which reads every file of
-the full and DCP checkpoints: resharding 2 -> 1) must both refuse it naming the file, then the bit restored.
+to the run never interrupted. Then, in this process, one flipped bit (at a seeded offset, printed) in every region
+of every file of each checkpoint (bitflip_runs.regions: a full file's zip header, each entry's data, its central
+directory and end record, each field of the trailer; a manifest and its recorded checksums; every DCP shard,
+``.metadata`` and ``state.pt``): ``stratagem checkpoint verify``'s function and ``Engine.load`` (single_device,
+which reads every file of the full and DCP checkpoints: resharding 2 -> 1) must both refuse it naming the file,
+then the bit is restored. On S3 a full file's regions are those a load reads by different paths (one entry's
+data and the trailer's three fields) for ddp, one entry's data for the other strategies (rank 0 writes every
+strategy's full file by the same code): where in a file the bit is, is proven on the local copies, which are read
+by the same checksum code; on S3, DCP's four shard files per rank are each verified, and a load must refuse one
+of each rank's (a load takes about a second there).
 """
 
 from __future__ import annotations
@@ -25,15 +32,14 @@ from stratagem import CheckpointError
 sys.path.insert(0, str(Path(__file__).parent / "seed_examples"))
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "tests"))
-from bitflip_runs import files_of, flip, run_all
+from bitflip_runs import files_of, flip, read, regions, run_all, write
 from seed_models import Regression
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 HAVE_S3 = all(importlib.util.find_spec(p) is not None for p in ("moto", "s3fs", "boto3"))
 STRATEGIES = ["ddp", "fsdp", "fsdp_tp"] + (["deepspeed_stage_3"] if HAVE_DEEPSPEED else [])
-TRIALS = 20
 CASES = [
     f"{s}/{fmt}/{place}"
     for s in STRATEGIES
@@ -47,7 +53,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     workdir = tmp_path_factory.mktemp("bitflips")
-    engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2, timeout=800)
+    engine = sg.Engine(strategy="ddp", accelerator="cpu", devices=2, timeout=500)
     if not HAVE_S3:
         yield engine.launch(run_all, str(workdir), None, STRATEGIES)
         return
@@ -76,7 +82,7 @@ def _load(path: str) -> None:
     DCP's four writer threads, some holding only optimizer state)."""
     import torch
 
-    model = Regression()
+    model = Regression(width=16)
     model.configure_model()
     optimizer = torch.optim.AdamW(model.parameters())
     for p in model.parameters():
@@ -87,41 +93,57 @@ def _load(path: str) -> None:
     )
 
 
+def _loaded_on_s3(trials: list[tuple[str, str, Any]]) -> set[str]:
+    """The files of a sharded S3 checkpoint whose flipped bit a load must refuse too (every one is verified):
+    the manifest, ``.metadata``, ``state.pt``, and one of the four shard files of each rank (another writer
+    thread's for each). Each S3 load takes about a second; a local load reads every shard file of its plan."""
+    files = sorted({t for t, _, _ in trials})
+    shards = [f for f in files if f.endswith(".distcp")]
+    ranks = sorted({f.rsplit("/", 1)[-1].split("_")[2] for f in shards})
+    chosen = set()
+    for i, rank in enumerate(ranks):
+        own = [f for f in shards if f.rsplit("/", 1)[-1].startswith(f"__{rank}_")]
+        chosen.add(own[(i * 3 + 1) % len(own)])
+    return {f for f in files if not f.endswith(".distcp")} | chosen
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_a_flipped_bit_is_detected_every_time(runs: dict[str, Any], case: str) -> None:
+def test_a_flipped_bit_is_detected_in_every_region(runs: dict[str, Any], case: str) -> None:
     from stratagem.checkpoint._verify import verify
 
+    print(f"seconds per strategy in the launch: {runs['seconds']}")
     run = runs[case]
     assert "error" not in run, run["error"]
     checkpoint = run["newest"]
     assert verify(checkpoint).passed and verify(checkpoint).checksummed
-    files = files_of(checkpoint)
     loadable = not (
         case.startswith("deepspeed") and "/sharded/" in case
     )  # DeepSpeed's own layout: verify only
-    import random
-
-    for seed in range(TRIALS):
-        target = files[random.Random(seed).randrange(len(files))]
-        original, bit = flip(target, seed)
-        print(f"{case}: seed {seed}: bit {bit} of {target}")
+    trials = []
+    for target in files_of(checkpoint):
+        named = regions(target, read(target))
+        if case.endswith("/s3") and target.endswith(".ckpt"):
+            kept = [n for n in named if n.startswith("trailer") or n.endswith("/data.pkl")]
+            if not case.startswith("ddp/"):  # every strategy's full file is written and read by the same code
+                kept = []
+            named = {n: named[n] for n in (*kept, next(n for n in named if "/data/" in n))}
+        trials += [(target, label, span) for label, span in named.items()]
+    assert len(trials) >= (1 if case.endswith("/s3") or "/sharded/" in case else 12), trials
+    loaded = _loaded_on_s3(trials) if case.endswith("/sharded/s3") else {t for t, _, _ in trials}
+    for seed, (target, label, span) in enumerate(trials):
+        original, bit = flip(target, seed, span)
+        print(f"{case}: seed {seed}: bit {bit} ({label}) of {target}")
         try:
-            report = verify(checkpoint)
-            failure = report.first_failure()
-            assert failure is not None, (seed, target, bit)
-            assert target.endswith(failure.name), (seed, target, failure)
-            if loadable:
+            failure = verify(checkpoint).first_failure()
+            assert failure is not None, (seed, target, label, bit)
+            assert target.endswith(failure.name), (seed, target, label, failure)
+            if loadable and target in loaded:
                 with pytest.raises(CheckpointError) as caught:
                     _load(checkpoint)
                 name = target.rsplit("/", 1)[-1]
-                assert name in str(caught.value), (seed, target, str(caught.value))
+                assert name in str(caught.value), (seed, target, label, str(caught.value))
         finally:
-            from stratagem.checkpoint import _store
-
-            if "://" in target:
-                _store.write_bytes(target, original)
-            else:
-                Path(target).write_bytes(original)
+            write(target, original)
     assert verify(checkpoint).passed
 
 
