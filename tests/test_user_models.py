@@ -11,15 +11,12 @@ strategies in turn.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import user_models_script as script
 
-SCRIPT = Path(__file__).parent / "user_models_script.py"
 #: fp32, 5 AdamW steps: two processes differ from one only in summation order (measured: under 1e-6).
 TOLERANCE = 1e-5
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -30,14 +27,18 @@ pytestmark = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs transformer
 
 def _train(strategies: list[str], devices: int, out: Path) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     """``{strategy: {"net"|"gpt": state dict}}``: one process on the global batch, or one launch of 2 workers
-    (``stratagem run``) that trains every strategy given, one after the other."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    script = [str(SCRIPT), "--strategy", ",".join(strategies), "--devices", str(devices), "--out", str(out)]
-    prefix = (
-        [sys.executable] if devices == 1 else [sys.executable, "-m", "stratagem", "run", "--devices", "2"]
+    that trains every strategy given, one after the other. Each process runs what the script runs under
+    ``stratagem run`` (``train``: the rank environment, no process group yet), forked rather than a new
+    interpreter importing torch and transformers; the one-process run too, keeping this process's state clean."""
+    from stratagem.launchers._worker_start import launch_function
+
+    launch_function(
+        script.train,
+        (strategies, devices, str(out)),
+        nproc_per_node=devices,
+        accelerator="cpu",
+        env={"DS_ACCELERATOR": "cpu"},
     )
-    done = subprocess.run([*prefix, *script], capture_output=True, text=True, timeout=400, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
     # A full checkpoint: its "model" entry maps each module of the saved state ("model") to its state dict.
     return {
         strategy: {
@@ -112,9 +113,6 @@ def test_user_models_match_one_process(strategy: str, reference: dict, trained) 
 
 
 def _train_initial_distance(reference: dict) -> dict[str, float]:
-    sys.path.insert(0, str(SCRIPT.parent))
-    import user_models_script as script
-
     out = {}
     for kind, build in (("net", script.LM), ("gpt", script.TinyGPT)):
         torch.manual_seed(0)

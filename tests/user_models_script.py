@@ -8,6 +8,8 @@ ends with a full checkpoint that the tests compare with the one-process run.
     python user_models_script.py --strategy single_device --devices 1 --out DIR
     stratagem run --devices 2 user_models_script.py --strategy fsdp,hsdp --devices 2 --out DIR
 
+or, from Python, :func:`train` in each worker of a launch (what tests/test_user_models.py does).
+
 Several strategies (comma-separated) train one after the other in the same processes, each in ``DIR/NAME``.
 """
 
@@ -81,16 +83,22 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    train(args.strategy.split(","), args.devices, args.out)
+
+
+def train(strategies: list[str], devices: int, out_dir: str) -> None:
+    """What the script does in each process: both models under each strategy in turn (the tests call it in
+    workers that a launch forked, as ``stratagem run`` would start them, without a new interpreter each)."""
     torch.use_deterministic_algorithms(True)
-    batch = PER_RANK_BATCH * (2 if args.devices == 1 else 1)  # the one-process run takes the global batch
-    for strategy in args.strategy.split(","):
-        out = Path(args.out) / strategy
+    batch = PER_RANK_BATCH * (2 if devices == 1 else 1)  # the one-process run takes the global batch
+    for strategy in strategies:
+        out = Path(out_dir) / strategy
         for kind, build in (("net", LM), ("gpt", TinyGPT)):
             torch.manual_seed(0)
             trainer = sg.Trainer(
                 strategy=strategy,
                 accelerator="cpu",
-                devices=args.devices,
+                devices=devices,
                 max_steps=STEPS,
                 default_root_dir=out / kind,
                 enable_progress_bar=False,

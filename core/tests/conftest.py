@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
@@ -65,3 +66,26 @@ def temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> TempDir:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(fresh))
     return TempDir(fresh)
+
+
+@pytest.fixture
+def stratagem_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., subprocess.CompletedProcess]:
+    """``stratagem_cli(*args)``: the ``stratagem`` command run in this process (``stratagem.cli.main``, which
+    ``python -m stratagem`` calls and exits with), its exit status and output as a ``CompletedProcess``. For a
+    command refused before it starts anything, a new interpreter would add seconds of imports and check nothing
+    more."""
+    from stratagem.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        message = ""
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:
+            # As the interpreter exits: None is 0, a number is the status, anything else is printed and 1.
+            code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+            message = "" if exit_.code is None or isinstance(exit_.code, int) else f"{exit_.code}\n"
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["stratagem", *args], code, out.out, out.err + message)
+
+    return run

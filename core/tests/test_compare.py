@@ -49,15 +49,15 @@ def test_parse_columns_refuses_bad_input(text: str, message: str) -> None:
         parse_columns(text)
 
 
-def test_bad_requests_fail_before_launching() -> None:
-    unknown = run_cli(
-        "--strategies", "single_device,nosuch", "--devices", "1", "--model", "small", timeout=60
+def test_bad_requests_fail_before_launching(stratagem_cli) -> None:
+    unknown = stratagem_cli(
+        "compare", "--strategies", "single_device,nosuch", "--devices", "1", "--model", "small"
     )
     assert unknown.returncode == 2
     assert "nosuch" in unknown.stderr and "single_device" in unknown.stderr  # names the installed ones
-    too_many = run_cli("--strategies", "single_device", "--devices", "2", "--model", "small", timeout=60)
+    too_many = stratagem_cli("compare", "--strategies", "single_device", "--devices", "2", "--model", "small")
     assert too_many.returncode == 2 and "world size" in too_many.stderr.lower()
-    model = run_cli("--strategies", "single_device", "--devices", "1", "--model", "huge", timeout=60)
+    model = stratagem_cli("compare", "--strategies", "single_device", "--devices", "1", "--model", "huge")
     assert model.returncode == 2 and "small" in model.stderr and "PATH:Class" in model.stderr
 
 

@@ -50,6 +50,21 @@ def _params(root: Path) -> dict[str, torch.Tensor]:
     return result["params"]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The parameters of the uninterrupted run (a checkpoint every 2 steps) that every restarted run must end
+    with, bit for bit: one run serves the module, checked as each test's own runs are (a temporary directory of
+    its own, left empty)."""
+    root = tmp_path_factory.mktemp("reference")
+    (root / "temp-dir").mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(root / "temp-dir"))
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor-cache"))
+        done, _ = _run(root / "run", "--ckpt-every", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _params(root / "run")
+
+
 def _assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     for name in want:
@@ -58,10 +73,8 @@ def _assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_restarts_resume_as_if_nothing_had_failed(tmp_path: Path) -> None:
-    reference, _ = _run(tmp_path / "reference", "--ckpt-every", "2")
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    want = _params(tmp_path / "reference")
+def test_restarts_resume_as_if_nothing_had_failed(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    want = reference
 
     # A transient error on rank 1 at step 3: one restart, resumed from step 2, one step lost.
     once, _ = _run(tmp_path / "once", "--ckpt-every", "2", "--max-restarts", "2", "--faults", "0:1:3:raise")
@@ -137,7 +150,7 @@ def test_checkpoints_on_the_clock_are_written_by_every_rank_at_one_step(tmp_path
         assert len(checkpoint["state"]["rng"]["__stratagem_per_rank__"]) == 2, path
 
 
-def test_bad_restart_options_are_refused_before_anything_runs(tmp_path: Path) -> None:
+def test_bad_restart_options_are_refused_before_anything_runs(tmp_path: Path, stratagem_cli) -> None:
     with pytest.raises(ConfigurationError, match="max_restarts=-1"):
         sg.Trainer(max_restarts=-1, checkpoint_every_n_steps=1)
     with pytest.raises(ConfigurationError, match="start again from step 0") as caught:
@@ -165,9 +178,7 @@ def test_bad_restart_options_are_refused_before_anything_runs(tmp_path: Path) ->
     ):
         script = tmp_path / "train.py"
         script.write_text("raise SystemExit('should not run')\n")
-        done = subprocess.run(
-            [sys.executable, "-m", "stratagem", "run", *args, str(script)], capture_output=True, text=True
-        )
+        done = stratagem_cli("run", *args, str(script))
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
@@ -195,7 +206,7 @@ def test_a_changed_world_size_keeps_the_global_batch_where_it_divides() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_torchrun_restarts_resume_too(tmp_path: Path) -> None:
+def test_torchrun_restarts_resume_too(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     """Under torchrun's own agent (its shared store keeps the failed attempt's keys), --max-restarts restarts
     the group and the Trainer resumes by itself. A launch made from this process before must not leave its
     rendezvous round behind: torchrun's restarted workers named their keys after it, as the failed ones had, and
@@ -205,8 +216,6 @@ def test_torchrun_restarts_resume_too(tmp_path: Path) -> None:
     rounds = launch_function(os.getenv, ("STRATAGEM_RENDEZVOUS_ROUND",), nproc_per_node=1)
     assert rounds == {0: "0"}, rounds
     assert "STRATAGEM_RENDEZVOUS_ROUND" not in os.environ
-    reference, _ = _run(tmp_path / "reference", "--ckpt-every", "2")
-    assert reference.returncode == 0, reference.stderr[-3000:]
     root = tmp_path / "torchrun"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += [
@@ -225,4 +234,4 @@ def test_torchrun_restarts_resume_too(tmp_path: Path) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=250)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from step 2" in done.stdout, done.stdout[-2000:]
-    _assert_bit_equal(_params(root), _params(tmp_path / "reference"))
+    _assert_bit_equal(_params(root), reference)

@@ -93,29 +93,20 @@ def test_a_function_raising_in_a_worker_raises_here_with_its_rank(temp_dir) -> N
     assert temp_dir.left() == [], "the launch left these in the temporary directory"
 
 
-def _stratagem(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "import sys; from stratagem.cli import main; sys.exit(main())", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def test_run_refuses_bad_input_before_launching(tmp_path: Path) -> None:
+def test_run_refuses_bad_input_before_launching(tmp_path: Path, stratagem_cli) -> None:
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('should not run')\n")
-    unknown = _stratagem("run", "--strategy", "dpp", "--devices", "2", str(script))
+    unknown = stratagem_cli("run", "--strategy", "dpp", "--devices", "2", str(script))
     assert unknown.returncode == 2 and "Unknown strategy 'dpp'" in unknown.stderr
     assert "should not run" not in unknown.stderr
     # A name with options (the workers' Engine reads them): the name is checked here, and the brackets.
-    unknown = _stratagem("run", "--strategy", "dpp[static_graph=true]", "--devices", "2", str(script))
+    unknown = stratagem_cli("run", "--strategy", "dpp[static_graph=true]", "--devices", "2", str(script))
     assert unknown.returncode == 2 and "Unknown strategy 'dpp'" in unknown.stderr
-    unread = _stratagem("run", "--strategy", "ddp[static_graph=true", "--devices", "2", str(script))
+    unread = stratagem_cli("run", "--strategy", "ddp[static_graph=true", "--devices", "2", str(script))
     assert unread.returncode == 2 and "--strategy: cannot read 'ddp[static_graph=true'" in unread.stderr
-    missing = _stratagem("run", "--devices", "2", str(tmp_path / "absent.py"))
+    missing = stratagem_cli("run", "--devices", "2", str(tmp_path / "absent.py"))
     assert missing.returncode == 2 and "no such script" in missing.stderr
-    nodes = _stratagem("run", "--nnodes", "2", str(script))
+    nodes = stratagem_cli("run", "--nnodes", "2", str(script))
     assert nodes.returncode == 2 and "--rdzv-endpoint" in nodes.stderr
 
 
