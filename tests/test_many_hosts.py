@@ -50,7 +50,12 @@ def one_host(make_hosts: Any) -> dict:
 
 
 def _assert_trained_alike(
-    got: dict, want: dict, tolerance: float = 1e-6, world_size: int = 4, steps: int = STEPS
+    got: dict,
+    want: dict,
+    tolerance: float = 1e-6,
+    world_size: int = 4,
+    steps: int = STEPS,
+    margin: float = 1000,
 ) -> None:
     assert got["world_size"] == want["world_size"] == world_size and got["step"] == want["step"] == steps
     assert got["params"].keys() == want["params"].keys()
@@ -61,8 +66,8 @@ def _assert_trained_alike(
     print(
         f"largest difference {difference:.3g} from the reference; training moved a parameter by {moved:.3g}"
     )
-    # A run that never trained would be `moved` away: a thousand times the tolerance.
-    assert moved > 1000 * tolerance
+    # A run that never trained would be `moved` away: `margin` times the tolerance.
+    assert moved > margin * tolerance
     assert difference <= tolerance, f"largest difference {difference:.3g} (moved {moved:.3g})"
 
 
@@ -86,10 +91,13 @@ def test_torchrun_on_two_hosts_trains_as_four_processes_on_one(
     _assert_trained_alike(got, one_host)
 
 
-#: The Trainer's timeout in the cut-off run: the survivors must notice within it, and be going on without the
+#: The Trainer's timeout in the cut-off run: the survivors must notice within it, and have finished without the
 #: lost host within twice it.
-TIMEOUT = 15
+TIMEOUT = 30
 CUT_STEPS = 12
+#: The step after which the link goes down: late, so that what is left after the cut is the recovery (noticing,
+#: the new rendezvous, new workers, the resume) and two or three steps, not most of the training.
+CUT_AFTER = 9
 
 
 def _wait_for_step(mark: Path, step: int, processes: list[Any], deadline: float) -> None:
@@ -115,9 +123,10 @@ def _wait_all(processes: list[Any], deadline: float) -> list[float]:
 
 def test_a_host_cut_off_mid_run_is_left_out_and_the_other_finishes_alone(stratagem_hosts: Hosts) -> None:
     """Two hosts of one worker each (--nnodes 1:2, c10d rendezvous on h0, sharded checkpoints every step); h1's
-    link goes down after step 3. h0 names the lost host within the timeout, its next rendezvous leaves h1 out
-    within twice the timeout, and it finishes alone from the newest complete checkpoint as a one-process run
-    resumed from that checkpoint does. h1's launcher, which can no longer reach the rendezvous, ends by itself."""
+    link goes down after step 9 of 12. h0 names the lost host within the timeout, its next rendezvous leaves h1
+    out, and it has finished alone within twice the timeout of the cut, from the newest complete checkpoint, as a
+    one-process run resumed from that checkpoint does. h1's launcher, which can no longer reach the rendezvous,
+    ends by itself."""
     h0, h1 = stratagem_hosts
     root = stratagem_hosts.shared / "cut"
     root.mkdir()
@@ -134,7 +143,7 @@ def test_a_host_cut_off_mid_run_is_left_out_and_the_other_finishes_alone(stratag
         "--max-restarts",
         "2",
     ]
-    run += ["--rdzv-endpoint", "h0:29403", "--rdzv-conf", "last_call_timeout=5"]
+    run += ["--rdzv-endpoint", "h0:29403", "--rdzv-conf", "last_call_timeout=2"]
     script = [SCRIPT, "--strategy", "fsdp", "--devices", "1", "--steps", str(CUT_STEPS), "--ckpt-every", "1"]
     script += [
         "--format",
@@ -150,7 +159,7 @@ def test_a_host_cut_off_mid_run_is_left_out_and_the_other_finishes_alone(stratag
     logs = [root / "h0.log", root / "h1.log"]
     processes = _launch([h0, h1], run, script, logs)
     try:
-        _wait_for_step(mark, 3, processes, time.monotonic() + RUN_TIMEOUT)
+        _wait_for_step(mark, CUT_AFTER, processes, time.monotonic() + RUN_TIMEOUT)
         cut = time.time()
         h1.cut()
         ended = _wait_all(processes, time.monotonic() + RUN_TIMEOUT)
@@ -182,18 +191,21 @@ def test_a_host_cut_off_mid_run_is_left_out_and_the_other_finishes_alone(stratag
         f"after the cut: h1's launcher ended at {ended[1] - cut:.1f} s, h0's new workers started at "
         f"{min(restarted) - cut:.1f} s, h0 finished at {ended[0] - cut:.1f} s"
     )
+    assert ended[0] - cut <= 2 * TIMEOUT, f"h0 finished {ended[0] - cut:.1f} s after the cut"
     got = torch.load(out, weights_only=False)
     assert got["world_size"] == 1 and got["step"] == CUT_STEPS
     # The same run resumed the same way: one process from the checkpoint the survivor resumed from.
     checkpoint = re.search(r"Resumed from (\S+) at step (\d+)", survivor)
-    assert checkpoint is not None and int(checkpoint.group(2)) >= 2, survivor[-3000:]
+    assert checkpoint is not None and int(checkpoint.group(2)) >= CUT_AFTER - 1, survivor[-3000:]
     reference = root / "reference.pt"
     again = [sys.executable, SCRIPT, "--strategy", "fsdp", "--devices", "1", "--steps", str(CUT_STEPS)]
     again += ["--ckpt-path", checkpoint.group(1), "--root", str(root / "reference"), "--out", str(reference)]
     done = h0.run(again, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     want = torch.load(reference, weights_only=False)
-    _assert_trained_alike(got, want, tolerance=1e-5, world_size=1, steps=CUT_STEPS)
+    # Resumed at step 8 or 9, the last steps of the decaying schedule move a parameter by about 3e-3 (measured):
+    # a hundred times the tolerance, not a thousand.
+    _assert_trained_alike(got, want, tolerance=1e-5, world_size=1, steps=CUT_STEPS, margin=100)
 
 
 def _launch(hosts: list[Host], run: list[str], script: list[str], logs: list[Path]) -> list[subprocess.Popen]:
