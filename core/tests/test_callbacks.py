@@ -532,11 +532,11 @@ def test_throughput_against_a_known_step_time_with_validation_excluded(tmp_path:
     rows = _csv_rows(tmp_path / "metrics.csv")
     rates = _column(rows, "throughput/samples_per_sec")
     assert sorted(rates) == [2, 4]
-    # At most 8 samples per 20 ms = 400/s; the loop's own work and a loaded machine's late wake-ups cost some.
-    # The window from step 2 to 4 holds the 1 s validation at step 3: counted, it would bring that rate below
-    # 16 / 1.04 s = 15.4/s.
+    # At most 8 samples per 20 ms = 400/s; the loop's own work and a loaded machine's late wake-ups cost some
+    # (at a load average of 15 a rate fell below 60/s). The window from step 2 to 4 holds the 1 s validation at
+    # step 3: counted, it would bring that rate below 16 / 1.04 s = 15.4/s.
     for step, rate in rates.items():
-        assert 60 < rate <= 400, (step, rate)
+        assert 20 < rate <= 400, (step, rate)
     for step, rate in rates.items():
         assert _column(rows, "throughput/tokens_per_sec")[step] == pytest.approx(10 * rate)
         assert _column(rows, "throughput/mfu")[step] == pytest.approx(rate * 2e6 / 1e9)

@@ -4,6 +4,7 @@ bad ``stratagem run`` input fails before launching."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -135,3 +136,41 @@ def test_a_task_that_srun_started_gets_the_threads_of_an_elastic_worker() -> Non
     # No CPUs given per task: the node's cores shared by the step's tasks on it, as devices=4 would share them.
     assert worker_threads({"SLURM_NTASKS": "8", "SLURM_NNODES": "2"}) == max(1, cores // 4)
     assert worker_threads({"SLURM_NTASKS": "1", "SLURM_NNODES": "1"}) == cores
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_forked_workers_get_what_spawned_ones_would(tmp_path: Path) -> None:
+    """Function workers are forked from a server that imported torch once: a worker still sees the launching
+    process's environment as it is at the launch (a variable added after the server started, one removed), the
+    compute threads OMP_NUM_THREADS asks for, and its exit handlers run; STRATAGEM_START_METHOD=spawn spawns."""
+    script = WORKLOADS / "forked_launches.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=200
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    first, second, spawned = runs["first"], runs["second"], runs["spawned"]
+    # Forked from one server (not the launcher), the same for both launches; spawned by the launcher.
+    servers = {r["parent"] for r in first + second}
+    assert len(servers) == 1 and runs["launcher"] not in servers, runs
+    assert {r["parent"] for r in spawned} == {runs["launcher"]}, runs
+    assert [r["gone"] for r in first] == ["1", "1"]
+    assert [(r["gone"], r["added"]) for r in second] == [(None, "yes")] * 2, second
+    # The default share of this machine's cores at the first launch; what OMP_NUM_THREADS=3 gives a new
+    # interpreter (torch caps it at the physical cores) at the second, as the spawned workers show.
+    assert [r["threads"] for r in first] == [max(1, (os.cpu_count() or 1) // 2)] * 2, first
+    assert [r["threads"] for r in second] == [r["threads"] for r in spawned], (second, spawned)
+    for launch in ("first", "second", "spawned"):
+        for rank in (0, 1):
+            assert (tmp_path / f"{launch}.{rank}").read_text() == "exit handlers ran", (launch, rank)
+
+
+def test_an_unknown_start_method_is_refused_naming_the_methods(monkeypatch) -> None:
+    from stratagem.launchers import _forked_workers
+
+    monkeypatch.setenv("STRATAGEM_START_METHOD", "fork")
+    with pytest.raises(sg.ConfigurationError, match="forkserver, spawn"):
+        _worker_start.launch_function(print, (), nproc_per_node=2)
+    monkeypatch.setenv("STRATAGEM_START_METHOD", "Spawn")
+    assert _forked_workers.start_method() == "spawn"

@@ -28,7 +28,6 @@ import multiprocessing
 import os
 import tempfile
 import threading
-from collections.abc import Mapping
 
 from stratagem.errors import ConfigurationError
 
@@ -52,6 +51,10 @@ PRELOAD = (
     "stratagem.engine",
     "stratagem.trainer",
 )
+
+#: Each worker's own (adopt_launch_environment sets its compute threads): the server starts without them, so
+#: that its default is what a new interpreter's would be.
+PER_WORKER_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 _lock = threading.Lock()
 #: The environment the server was started with (what a forked worker inherits), once it runs.
@@ -80,9 +83,10 @@ def start_method() -> str:
     return "forkserver"
 
 
-def ensure_server(environment: Mapping[str, str]) -> None:
-    """Start the fork server if it does not run, with ``environment`` added to this process's: the settings
-    read once at a process's start (the C allocator's) are the server's for every worker forked from it."""
+def ensure_server() -> None:
+    """Start the fork server if it does not run, with this process's environment as it is now: the caller sets
+    what is read once at a process's start (the C allocator's settings), for every worker forked from it, and
+    leaves out :data:`PER_WORKER_ENV`."""
     global _server_environment
     from multiprocessing import forkserver, process, util
 
@@ -99,17 +103,8 @@ def ensure_server(environment: Mapping[str, str]) -> None:
             finally:
                 tempfile.tempdir = saved
         multiprocessing.set_forkserver_preload(list(PRELOAD))
-        saved_env = {key: os.environ.get(key) for key in environment}
-        os.environ.update(environment)
-        try:
-            server.ensure_running()
-            _server_environment = dict(os.environ)
-        finally:
-            for key, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        server.ensure_running()
+        _server_environment = dict(os.environ)
 
 
 def environment_for_worker(worker_env: dict[str, str]) -> None:
@@ -134,7 +129,12 @@ def adopt_launch_environment() -> None:
     if threads.isdigit() and int(threads) > 0:
         import torch
 
-        torch.set_num_threads(int(threads))
+        wanted = int(threads)
+        if torch.backends.mkl.is_available():
+            # A new interpreter's torch takes MKL's thread count, which is at most the physical cores: the
+            # count the server (started with no OMP_NUM_THREADS) has now.
+            wanted = min(wanted, torch.get_num_threads())
+        torch.set_num_threads(wanted)
     # A forked worker ends with os._exit after its function: run the exit handlers as an interpreter would.
     from multiprocessing import util
 

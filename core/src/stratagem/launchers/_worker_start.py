@@ -48,10 +48,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def _environment(extra: Mapping[str, str]) -> Iterator[None]:
-    # The agent hands its own environment to the workers; set ours around the launch only.
+def _environment(extra: Mapping[str, str | None]) -> Iterator[None]:
+    # The agent hands its own environment to the workers; set ours around the launch only (None: unset).
     saved = {key: os.environ.get(key) for key in extra}
-    os.environ.update(extra)
+    for key, value in extra.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:
@@ -200,7 +204,9 @@ def _run(
             start_method = _forked_workers.start_method()
             if start_method == "forkserver":
                 # Before the launch's environment is set: the server outlives this launch.
-                _forked_workers.ensure_server({k: v for k, v in env.items() if k in CPU_ALLOCATOR_ENV})
+                server_env: dict[str, str | None] = {k: v for k, v in env.items() if k in CPU_ALLOCATOR_ENV}
+                with _environment({**server_env, **dict.fromkeys(_forked_workers.PER_WORKER_ENV)}):
+                    _forked_workers.ensure_server()
         with _environment(agent_env), _quiet_agent():
             try:
                 return _elastic_agent.run_agent(
