@@ -4,9 +4,9 @@ The workers count, on every rank, the bytes of parameters, buffers, gradients an
 optimizer step of a fresh model (``Strategy.memory_held``, in the suite's launches). This process plans the same
 model, micro-batch and optimizer on the same world size with :func:`stratagem.planning.plan`, as a user's plan
 is made (``ranks="largest"``): rank 0 set up and stepped, the far end of each mesh dimension set up, and stepped
-too where it holds more; an estimated strategy gives its largest rank. Byte for byte, the rank the plan reports
-holds what that rank of the run holds, every rank set up holds the parameters and buffers of its run, and no
-rank of the run holds more than the rank the plan reports as the largest.
+too where it holds more; an estimated strategy gives its largest rank. Byte for byte, each rank the plan steps
+holds what that rank of the run holds, every rank it only sets up holds the parameters and buffers of its run,
+and no rank of the run holds more than the rank the plan reports as the largest.
 
 Every rank stepped (``ranks="all"``) would check the gradients and optimizer state of the ranks the plan only
 sets up too, at a simulated step per rank: most of what the check cost (tens of seconds per family).
@@ -40,12 +40,14 @@ def problems_against(result: Any, held: dict[int, dict[str, int]]) -> list[str]:
     ``held`` (``{rank: bytes by kind}``) contradicts."""
     problems = []
     largest = result.largest
+    # A simulated plan steps rank 0 always, and the rank it reports; an estimate gives the one it reports.
+    stepped = {largest.rank, 0} if result.status == "simulated" else {largest.rank}
     for rank_plan in result.ranks:
         real = held.get(rank_plan.rank)
         if real is None:
             problems.append(f"rank {rank_plan.rank}: planned, but the run has no such rank")
             continue
-        for key in KEYS if rank_plan.rank == largest.rank else SET_UP_KEYS:
+        for key in KEYS if rank_plan.rank in stepped else SET_UP_KEYS:
             if getattr(rank_plan, key) != real[key]:
                 problems.append(
                     f"rank {rank_plan.rank} {key}: the plan ({result.status}) says {getattr(rank_plan, key)} "
