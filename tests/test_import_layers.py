@@ -52,7 +52,7 @@ PLUGIN_LAYERS: dict[str, list[tuple[str, ...]]] = {
     "stratagem_deepspeed": [
         ("_plugin",),
         ("_options", "_runtime"),
-        ("_rules",),
+        ("_rules", "_memory"),
         ("_sections",),
         ("_config", "_optimizers"),
         ("_state", "_wrappers", "_offline"),

@@ -134,6 +134,52 @@ def test_tensor_parallel_all_reduces_are_traced() -> None:
     assert result.largest.communication == 2 * m.BLOCKS * sent_per_rank("all_reduce", 2, payload)
 
 
+def _held_after_one_real_step() -> dict[str, int]:
+    """What one process holds after a real step of the contract's model under AdamW, counted from its tensors
+    here (not by ``Strategy.memory_held``): what every rank of ``ddp`` holds."""
+
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    torch.manual_seed(0)
+    model = m.ContractModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=m.LEARNING_RATE)
+    tokens = torch.randint(m.VOCAB, (m.PER_RANK_BATCH, m.SEQUENCE))
+    m.loss_fn(model(tokens), tokens).backward()
+    gradients = size(p.grad for p in model.parameters())
+    optimizer.step()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "parameters": size(model.parameters()),
+        "buffers": size(model.buffers()),
+        "gradients": gradients,
+        "optimizer": size(state),
+    }
+
+
+def test_the_contract_check_fails_a_plan_the_run_contradicts() -> None:
+    """The contract's check (test_plan) on ddp's plan: equal to a real step's bytes, it passes; a plan whose
+    optimizer bytes are 4 too many, or a run whose rank the plan only set up holding more than the plan's
+    largest, fails it."""
+    import attrs
+
+    from stratagem.contract.test_plan import problems_against
+
+    result = contract_plan("ddp", 2, ranks="largest")
+    real = _held_after_one_real_step()
+    assert [r.rank for r in result.ranks] == [0, 1] and result.largest.rank == 0
+    assert problems_against(result, {0: real, 1: real}) == []
+    wrong = attrs.evolve(result.largest, optimizer=result.largest.optimizer + 4)
+    wrong_plan = attrs.evolve(result, largest=wrong, ranks=(wrong, *result.ranks[1:]))
+    assert problems_against(wrong_plan, {0: real, 1: real}) == [
+        f"rank 0 optimizer: the plan (simulated) says {real['optimizer'] + 4} bytes, the run holds "
+        f"{real['optimizer']}"
+    ]
+    more = {**real, "optimizer": real["optimizer"] + 4}
+    (problem,) = problems_against(result, {0: real, 1: more})
+    assert problem.startswith(f"rank 1 of the run holds {sum(more.values())} bytes, more than the"), problem
+
+
 def _real_activations(workload: Workload, batch_size: int, sequence_length: int) -> int:
     """Torch's own memory tracker over a real forward and backward in this process."""
     from torch.distributed._tools.mem_tracker import MemTracker
