@@ -64,12 +64,14 @@ def trial(method: str, launches: int, folder: str) -> list[float]:
 def spread(values: list[float]) -> str:
     if len(values) < 2:
         return f"{values[0]:.2f}"
-    q1, median, q3 = statistics.quantiles(values, n=4)
+    q1, _, q3 = statistics.quantiles(values, n=4)
     return f"{statistics.median(values):.2f} (IQR {q1:.2f} to {q3:.2f})"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--launches", type=int, default=4)
     options = parser.parse_args()

@@ -124,7 +124,9 @@ def _run(args: argparse.Namespace) -> int:
         from stratagem.registry._manager import get_registry
 
         # An unknown name fails here, naming the installed ones; the workers' strategy checks the options.
-        name, options = parse_label(args.strategy, "--strategy") if "[" in args.strategy else (args.strategy, {})
+        name, options = (
+            parse_label(args.strategy, "--strategy") if "[" in args.strategy else (args.strategy, {})
+        )
         get_registry().get(name)
         env[STRATEGY_ENV] = args.strategy
         strategy = {"strategy": name, "strategy_options": options}
