@@ -234,3 +234,22 @@ def test_last_skips_a_checkpoint_that_fails_verification(
     from stratagem.checkpoint._verify import verify
 
     assert target.exists() and not verify(newest).passed
+
+
+def test_errors_cross_processes_whole() -> None:
+    """DCP gathers every rank's error pickled, and a worker's reaches its launcher so: a ChecksumError could not be
+    unpickled (its class was called with the message alone: "missing 3 required positional arguments"), and a
+    sharded load under a process group lost the name of the file that failed."""
+    import pickle
+
+    from stratagem.checkpoint._checksum import ChecksumError
+    from stratagem.errors import CheckpointError, WorkerFailedError
+
+    for error in (
+        CheckpointError("/runs/step-2", "could not be read"),
+        ChecksumError("/runs/step-2", "__0_1.distcp", "0x1", "0x2", "Load an older one."),
+        WorkerFailedError(1, 3, "boom"),
+    ):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error), (again, error)
+        assert again.__dict__ == error.__dict__

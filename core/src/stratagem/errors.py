@@ -16,6 +16,19 @@ def _closest(name: str, names: list[str]) -> str | None:
 class StratagemError(Exception):
     """Base class of every stratagem error."""
 
+    def __reduce__(self) -> tuple:
+        # An error crosses processes pickled (DCP gathers every rank's; a worker's goes to its launcher). Python
+        # rebuilds an exception by calling its class with ``args`` (the message), which the constructors here do
+        # not take: it is rebuilt from its message and attributes instead.
+        return (_rebuilt, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuilt(cls: type[StratagemError], args: tuple, attributes: dict) -> StratagemError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(attributes)
+    return error
+
 
 def _unknown(
     kind: str, plural: str, name: str, installed: list[str], closest: str | None, install: str

@@ -96,7 +96,7 @@ def _plugin_rows(registry: Any, entry_points: dict[str, list[str]]) -> list[Any]
 def _entry_row(kind: str, info: Any) -> Any:
     from stratagem.cli.doctor import _checks as checks
     from stratagem.cli.listing import certificate_status
-    from stratagem.registry._manager import LAUNCHER_HOOKS, STRATEGY_HOOKS
+    from stratagem.registry._manager import LAUNCHER_HOOKS, PLAN_HOOKS, STRATEGY_HOOKS
     from stratagem.registry._registry import _load_factory
     from stratagem.registry.capabilities import Capabilities, LauncherCapabilities
 
@@ -129,7 +129,10 @@ def _entry_row(kind: str, info: Any) -> Any:
     if kind == "strategy":
         from stratagem.strategies.base import Strategy
 
-        problems = checks.check_hook_class(cls, Strategy, "stratagem.strategies.Strategy", STRATEGY_HOOKS)
+        # A strategy's hooks: those of a run, and the plan's (Strategy's own answers "simulate me").
+        problems = checks.check_hook_class(
+            cls, Strategy, "stratagem.strategies.Strategy", STRATEGY_HOOKS | PLAN_HOOKS
+        )
         if not problems:
             problems = checks.check_contract_declarations(cls, info.capabilities)
     elif kind == "launcher":

@@ -52,11 +52,11 @@ def _pluggy_problems(cls: type, hook_names: frozenset[str] | set[str]) -> list[s
 
 
 def _families(hook_names: Any) -> set[str]:
-    from stratagem.registry._manager import EVENT_HOOKS, STRATEGY_HOOKS
+    from stratagem.registry._manager import EVENT_HOOKS, PLAN_HOOKS, STRATEGY_HOOKS
 
     if set(hook_names) <= EVENT_HOOKS:
         return {"Trainer event"}
-    return {"strategy"} if set(hook_names) <= STRATEGY_HOOKS else {"launcher"}
+    return {"strategy"} if set(hook_names) <= STRATEGY_HOOKS | PLAN_HOOKS else {"launcher"}
 
 
 def _marked_methods(cls: type) -> dict[str, Any]:
