@@ -58,13 +58,24 @@ def temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> TempDir:
     torch's compile cache (``torchinductor_<user>``, one per user and reused by every run) goes elsewhere:
     importing torch._dynamo creates it; no run leaves it.
     """
+    return _watch_temp_dir(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def watch_temp_dir() -> Callable[[Path, pytest.MonkeyPatch], TempDir]:
+    """:func:`temp_dir`'s set-up as a function, for a fixture of wider scope with a ``MonkeyPatch`` of its own."""
+    return _watch_temp_dir
+
+
+def _watch_temp_dir(root: Path, patch: pytest.MonkeyPatch) -> TempDir:
+    """What :func:`temp_dir` sets up, under ``root``, undone with ``patch``."""
     import tempfile
 
-    fresh = tmp_path / "temp-dir"
+    fresh = root / "temp-dir"
     fresh.mkdir()
-    monkeypatch.setenv("TMPDIR", str(fresh))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
-    monkeypatch.setattr(tempfile, "tempdir", str(fresh))
+    patch.setenv("TMPDIR", str(fresh))
+    patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor-cache"))
+    patch.setattr(tempfile, "tempdir", str(fresh))
     return TempDir(fresh)
 
 

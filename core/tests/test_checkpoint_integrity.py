@@ -119,16 +119,13 @@ def test_checkpoints_without_checksums_still_load(engine: sg.Engine, tmp_path: P
     assert W.same_state(fresh, (model, optimizer))
 
 
-def _verify(capsys: pytest.CaptureFixture[str], *paths: Path) -> tuple[int, str]:
-    """``stratagem checkpoint verify PATH...`` through the CLI's entry function, in this process."""
-    from stratagem.cli import main
-
-    capsys.readouterr()
-    code = main(["checkpoint", "verify", *map(str, paths)])
-    return code, capsys.readouterr().out
+def _verify(stratagem_cli: Any, *paths: Path) -> tuple[int, str]:
+    """``stratagem checkpoint verify PATH...``, in this process: its status and output."""
+    done = stratagem_cli("checkpoint", "verify", *map(str, paths))
+    return done.returncode, done.stdout
 
 
-def test_cli_verify(engine: sg.Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_verify(engine: sg.Engine, tmp_path: Path, stratagem_cli: Any) -> None:
     made = {}
     for fmt in FORMATS:
         for case in ("good", "flipped", "truncated", "old"):
@@ -151,7 +148,7 @@ def test_cli_verify(engine: sg.Engine, tmp_path: Path, capsys: pytest.CaptureFix
     del made["missing-shard-full"]
 
     code, out = _verify(
-        capsys, made["good-full"], made["good-sharded"], made["old-full"], made["old-sharded"]
+        stratagem_cli, made["good-full"], made["good-sharded"], made["old-full"], made["old-sharded"]
     )
     assert code == 0, out
     lines = out.splitlines()
@@ -161,7 +158,7 @@ def test_cli_verify(engine: sg.Engine, tmp_path: Path, capsys: pytest.CaptureFix
     assert "4 of 4 checkpoint(s) passed" in lines
 
     failing = [made[k] for k in made if not k.startswith(("good", "old"))]
-    code, out = _verify(capsys, *failing)
+    code, out = _verify(stratagem_cli, *failing)
     assert code == 1, out
     for path in failing:
         assert f"{path}: FAILED" in out, out
@@ -171,8 +168,8 @@ def test_cli_verify(engine: sg.Engine, tmp_path: Path, capsys: pytest.CaptureFix
     assert "UNREADABLE   truncated-full" in out  # its trailer cut off with the rest: torch cannot read it
     assert "MISSING      __0_0.distcp" in out
     for fmt in FORMATS:  # each alone: the exit code says which failed
-        assert _verify(capsys, made[f"good-{fmt}"])[0] == 0
-        assert _verify(capsys, made[f"flipped-{fmt}"])[0] == 1
+        assert _verify(stratagem_cli, made[f"good-{fmt}"])[0] == 0
+        assert _verify(stratagem_cli, made[f"flipped-{fmt}"])[0] == 1
 
 
 class _Net(sg.Module):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,15 +52,13 @@ def _params(root: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def reference(tmp_path_factory: pytest.TempPathFactory, watch_temp_dir: Any) -> dict[str, torch.Tensor]:
     """The parameters of the uninterrupted run (a checkpoint every 2 steps) that every restarted run must end
     with, bit for bit: one run serves the module, checked as each test's own runs are (a temporary directory of
     its own, left empty)."""
     root = tmp_path_factory.mktemp("reference")
-    (root / "temp-dir").mkdir()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TMPDIR", str(root / "temp-dir"))
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor-cache"))
+        watch_temp_dir(root, patch)
         done, _ = _run(root / "run", "--ckpt-every", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     return _params(root / "run")
