@@ -16,7 +16,7 @@ from stratagem.errors import ConfigurationError, UnknownStrategyError
 from stratagem.planning import Workload, World, parse_bytes, plan
 from stratagem.planning._plan import far_ranks
 from stratagem.planning._trace import sent_per_rank
-from stratagem.planning._world import _LazyChunks, fake_tensors, simulated_world
+from stratagem.planning._world import _LazyChunks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,31 +65,6 @@ def test_lazy_chunks_are_fsdp2s_chunks(rows: int, chunks: int) -> None:
             want.storage_offset(),
         )
         assert torch.equal(got, want)
-
-
-def test_a_sharded_tensor_is_counted_without_dispatching_an_operation() -> None:
-    """``DTensor.to_local()`` is an autograd function and a view, each dispatched through the fake-tensor mode."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from stratagem.strategies.memory import local_bytes
-
-    class Dispatched(TorchDispatchMode):
-        ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with simulated_world(1, 4):
-        mesh = init_device_mesh("cpu", (4,))
-        with fake_tensors():
-            sharded = distribute_tensor(torch.empty(10, 3), mesh, [Shard(0)])  # rank 1 of 4: 3 rows
-            with Dispatched() as dispatched:
-                counted = local_bytes(sharded)
-    assert counted == 3 * 3 * 4
-    assert dispatched.ops == []
 
 
 def test_sizes_need_their_unit() -> None:

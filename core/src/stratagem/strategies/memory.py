@@ -15,13 +15,8 @@ def local_bytes(tensor: torch.Tensor | None) -> int:
     """Bytes of the part of ``tensor`` this rank holds: a ``DTensor``'s local shard, a plain tensor whole."""
     if tensor is None:
         return 0
-    if hasattr(tensor, "to_local") and hasattr(tensor, "placements"):
-        # The DTensor's own local tensor, which to_local() returns a view of: to_local() is an autograd function
-        # and a view, dispatched again per tensor, which on a simulated rank's fake tensors cost the plan of a
-        # trillion-parameter model seconds per count.
-        local = getattr(tensor, "_local_tensor", None)
-        tensor = tensor.to_local() if local is None else local
-    return tensor.numel() * tensor.element_size()
+    local = tensor.to_local() if hasattr(tensor, "to_local") and hasattr(tensor, "placements") else tensor
+    return local.numel() * local.element_size()
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
