@@ -273,9 +273,11 @@ def _plot(rows: list[tuple[Any, ...]], out: str) -> None:
         ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("cpu seconds")
+        ax.set_ylim(bottom=0)  # from zero: a flat line should look flat, not its noise magnified
         twin = ax.twinx()
         twin.plot([r[x] for r in picked], [r[5] / 2**20 for r in picked], "s--", color="tab:orange")
         twin.set_ylabel("peak RSS (MiB)", color="tab:orange")
+        twin.set_ylim(bottom=0)
     fig.suptitle("stratagem plan under fsdp: time and memory")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
