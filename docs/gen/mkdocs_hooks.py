@@ -135,7 +135,8 @@ def on_files(files: Files, config: Any) -> Files:
         source = Path(file.abs_src_path).resolve() if file.abs_src_path else None
         if source is None or docs_dir not in source.parents:
             kept.append(file)  # the theme's assets
-        elif source.suffix == ".md" and source.parent == docs_dir:
+        elif source.suffix in (".md", ".png", ".svg") and source.parent == docs_dir:
+            # Pages and the plots they show, at their repository paths.
             kept.append(File.generated(config, f"docs/{source.name}", abs_src_path=str(source)))
         # Anything else under docs/ (these generators) is not part of the site.
     sources = [("index.md", root / "README.md"), ("benchmarks/README.md", root / "benchmarks/README.md")]
