@@ -96,8 +96,9 @@ def module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def in_place_shards(model: torch.nn.Module, purpose: str, strategy: str) -> list[WeightShard]:
-    """The ``weight_shards`` hook of a strategy that shards the model in place (its parameters become
-    DTensors under the model's own names: FSDP2, tensor parallelism), read from the model's state dict."""
+    """What a ``weight_shards`` hook returns for a strategy that shards the model in place (its parameters
+    become DTensors under the model's own names: FSDP2, tensor parallelism), read from the model's own state
+    dict; for a load, refused if they are copies. ``strategy`` names the strategy in that error."""
     shards = from_state_dict(module_tensors(model))
     if purpose == "load":
         check_live(shards, model, strategy)
