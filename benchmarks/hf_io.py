@@ -14,7 +14,9 @@ A Llama of at least ``--megabytes`` (float32; default 600 MB), saved with ``save
 - **export (offline)**: ``export_checkpoint`` of a sharded checkpoint of that model, in one process; against
   reading the same checkpoint with ``torch.distributed.checkpoint`` into whole tensors and ``save_file``.
 
-The loaded bytes each rank counted are printed too.
+The loaded bytes each rank counted are printed too, and the CPU seconds of the load and the live export against
+the direct ones, all processes together: what contention for the cores cannot change (the processes outnumber
+the cores of a small machine).
 
     python benchmarks/hf_io.py [--megabytes 600] [--repeats 5] [--processes 4]
 """
@@ -63,12 +65,19 @@ def _fsync_tree(directory: Path) -> None:
         os.close(fd)
 
 
-def _timed(engine: Any, function: Any) -> float:
-    """Seconds from every rank starting to the last rank done."""
+#: This rank's CPU seconds of each timed call, by name (appended by ``_timed``).
+CPU: dict[str, list[float]] = {}
+
+
+def _timed(engine: Any, function: Any, name: str | None = None) -> float:
+    """Seconds from every rank starting to the last rank done; this rank's CPU seconds kept under ``name``."""
     engine.barrier("hf-io")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     function()
+    used = time.process_time() - cpu
     engine.barrier("hf-io")
+    if name is not None:
+        CPU.setdefault(name, []).append(used)
     return time.perf_counter() - start
 
 
@@ -143,18 +152,22 @@ def worker(args: argparse.Namespace) -> None:
     for repeat in range(args.repeats):
         state["loaded"], state["model"] = {}, None
         for name, function in [("load_raw", raw_load), ("load", ours_load)][:: 1 if repeat % 2 == 0 else -1]:
-            times[name].append(_timed(engine, function))
+            times[name].append(_timed(engine, function, name))
         for name, function in [("export_raw", raw_export), ("export", ours_export)][
             :: 1 if repeat % 2 == 0 else -1
         ]:
-            times[name].append(_timed(engine, function))
+            times[name].append(_timed(engine, function, name))
         times["export_raw_nosync"].append(_timed(engine, lambda: raw_export(sync=False)))
     engine.save(out / "ckpt", {"model": state["model"]}, format="sharded")
     reads: list[Any] = [None] * engine.world_size
     dist.all_gather_object(reads, state["reads"][-1])
+    cpus: list[Any] = [None] * engine.world_size
+    dist.all_gather_object(cpus, CPU)
     if engine.rank == 0:
         split = {k: state[k][-args.repeats :] for k in ("reading", "writing", "publishing")}
-        (out / "times.json").write_text(json.dumps({"times": times, "reads": reads, **split}))
+        # CPU seconds of each repeat, all ranks together (the other ranks wait in a barrier during the direct runs)
+        cpu = {k: [sum(c[k][i] for c in cpus) for i in range(args.repeats)] for k in CPU}
+        (out / "times.json").write_text(json.dumps({"times": times, "reads": reads, "cpu": cpu, **split}))
     engine.teardown()
 
 
@@ -294,6 +307,13 @@ def main() -> None:
         ],
     ]
     print(table(rows, ["stratagem", "median (IQR)", "direct", "median (IQR)", "ratio (paired)", "goal"]))
+    cpu = result["cpu"]
+    print(
+        f"CPU seconds, all {args.processes} processes together: load {_spread(cpu['load'])} against the direct read's "
+        f"{_spread(cpu['load_raw'])}, {_ratio(cpu['load'], cpu['load_raw'])}; live export {_spread(cpu['export'])} "
+        f"against {_spread(cpu['export_raw'])}, {_ratio(cpu['export'], cpu['export_raw'])} (on C free cores, a load "
+        "cannot take less than its CPU seconds / C)"
+    )
     per_rank = result["reads"]
     print(
         f"of the load, rank 0 initialising and reading (after the check and the sharding): {_spread(result['reading'])}"
@@ -304,7 +324,8 @@ def main() -> None:
     )
     print(
         f"bytes each rank read per load: {', '.join(f'{r / 2**20:.1f} MiB' for r in per_rank)} "
-        f"(a quarter of the model is {total / 4 / 2**20:.1f} MiB; + the largest tensor {(total / 4 + largest) / 2**20:.1f} MiB)"
+        f"(1/{args.processes} of the model is {total / args.processes / 2**20:.1f} MiB; + the largest tensor "
+        f"{(total / args.processes + largest) / 2**20:.1f} MiB)"
     )
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
 

@@ -17,6 +17,7 @@ import torch
 import stratagem as sg
 from stratagem.checkpoint._hf_shards import WeightShard, transfers
 from stratagem.checkpoint._hf_source import Source
+from stratagem.checkpoint._hf_write import Files, plan_export
 from stratagem.checkpoint._safetensors import parse_size, runs
 from stratagem.checkpoint.hf import Fused, HFWeights, Slice, save_weights
 from stratagem.errors import CheckpointError
@@ -148,6 +149,22 @@ def test_an_export_is_read_by_safetensors_and_from_pretrained_layouts(tmp_path: 
     want = _weights()
     assert sorted(loaded) == sorted(want) and all(torch.equal(loaded[k], want[k]) for k in want)
     assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in want.values())
+
+
+def test_export_files_have_their_blocks_reserved_before_any_part_is_written(tmp_path: Path) -> None:
+    # Ranks write their parts at scattered offsets: files reserved whole (not sparse) let the publishing fsync
+    # flush them as fast as one sequential write. Where the file system cannot reserve, the file is extended.
+    plan = plan_export([(f"w{i}", (256, 1024), torch.float32) for i in range(3)], lambda n: n, {}, 1 << 30)
+    Files(tmp_path, plan.output).create()
+    (name,) = plan.output.files
+    header, size = plan.output.files[name]
+    stat = os.stat(tmp_path / name)
+    assert stat.st_size == size > 3 * 1 << 20
+    assert (tmp_path / name).read_bytes()[: len(header)] == header
+    kind = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout
+    if kind.strip() not in ("ext2/ext3", "xfs", "btrfs", "tmpfs"):
+        pytest.skip(f"the file system here ({kind.strip()}) may not reserve blocks; the rest was checked")
+    assert stat.st_blocks * 512 >= size  # reserved, not a sparse file
 
 
 def test_sizes_follow_the_hugging_face_convention() -> None:

@@ -10,6 +10,8 @@ writing the parts it holds at once (:mod:`._hf_export`).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
@@ -129,7 +131,8 @@ class Files:
         for name, (header, size) in self.plan.files.items():
             with open(self.directory / name, "wb") as stream:
                 stream.write(header)
-                stream.truncate(size)
+                stream.flush()
+                allocate(stream.fileno(), size)
 
     def write(self, transfer: Transfer) -> None:
         """Write ``transfer.local`` at its place in its tensor's file."""
@@ -153,6 +156,33 @@ class Files:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def allocate(fd: int, size: int) -> None:
+    """Give the file ``fd`` its ``size`` in blocks reserved now, where the file system can (Linux's
+    ``fallocate``): parts that several processes write at scattered offsets then land in extents laid out at
+    once, and the publishing fsync flushes them about as fast as one sequential write (measured on ext4: a
+    sparse file's blocks are allocated piece by piece at writeback). Elsewhere the file is only extended
+    (sparse); glibc's ``posix_fallocate`` is not used, as it falls back to writing every block."""
+    if _fallocate is not None and _fallocate(fd, 0, 0, size) == 0:
+        return
+    code = ctypes.get_errno() if _fallocate is not None else 0
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        raise OSError(code, os.strerror(code))
+    os.ftruncate(fd, size)
+
+
+def _libc_fallocate() -> Any:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):  # not Linux
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return function
+
+
+_fallocate = _libc_fallocate()
 
 
 # -------------------------------------------------------------------------------------------------

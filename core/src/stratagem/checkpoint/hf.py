@@ -12,7 +12,8 @@
   ``model.safetensors.index.json``, with the config and tokenizer files of the folder the run started from;
   :func:`save_weights` (and the ``HFExport`` callback) writes a running model's, every rank writing its parts.
 
-A strategy takes part through one hook, ``weight_shards``; see docs/hugging-face.md.
+A strategy takes part through one hook, ``weight_shards`` (:func:`in_place_shards` for one that shards the
+model in place); see docs/hugging-face.md.
 """
 
 from __future__ import annotations
@@ -26,9 +27,18 @@ from stratagem.checkpoint._hf_export import export_checkpoint, save_live, unwrap
 from stratagem.checkpoint._hf_load import Loader, _tensors
 from stratagem.checkpoint._hf_match import HFWeights
 from stratagem.checkpoint._hf_names import Fused, Slice
-from stratagem.checkpoint._hf_shards import WeightShard
+from stratagem.checkpoint._hf_shards import WeightShard, in_place_shards
 
-__all__ = ["Fused", "HFWeights", "Slice", "WeightShard", "export_checkpoint", "load_weights", "save_weights"]
+__all__ = [
+    "Fused",
+    "HFWeights",
+    "Slice",
+    "WeightShard",
+    "export_checkpoint",
+    "in_place_shards",
+    "load_weights",
+    "save_weights",
+]
 
 
 def _shards(engine: Any, model: torch.nn.Module, purpose: str) -> list[WeightShard]:
