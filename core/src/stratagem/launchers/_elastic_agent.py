@@ -73,8 +73,10 @@ def _agent_class() -> type:
             # folder instead. Only while the workers start, as tempfile.tempdir is the whole process's.
             saved = tempfile.tempdir
             tempfile.tempdir = str(self.worker_tmp)
+            scripts = worker_group.spec.entrypoint is _forked_workers.run_script
             try:
-                return super()._start_workers(worker_group)
+                with _forked_workers.no_main_to_import() if scripts else contextlib.nullcontext():
+                    return super()._start_workers(worker_group)
             finally:
                 tempfile.tempdir = saved
                 self._stop_at_once()
