@@ -1,10 +1,18 @@
-"""Function workers forked from a process that has imported torch already: multiprocessing's fork server.
+"""Workers forked from a process that has imported torch already: multiprocessing's fork server.
 
 A spawned worker is a new interpreter, which imports torch and stratagem before it runs a line of the
 function: about 3 s of CPU per worker on a small machine, paid again at every launch and every restart. The
-fork server imports them once, the first time this process launches a function; each worker is then a fork of
-it, and a launch or a restart from the same process starts its workers in a fraction of a second
+fork server imports them once, the first time this process launches; each worker is then a fork of it, and a
+launch or a restart from the same process starts its workers in a fraction of a second
 (``benchmarks/worker_start.py`` measures both).
+
+Function workers (``Engine.launch(fn)``, ``Trainer.fit`` from Python) run the function. Script workers (a
+script run with ``devices=2``, ``stratagem run``) are forked too when the command is this interpreter running a
+file or a module (``python train.py ARGS``, ``python -m pkg ARGS``, no interpreter option: see
+:func:`script_arguments`): :func:`run_script` runs it there with :mod:`runpy`. Any other command (another
+executable, ``python -u ...``) starts as a new process. A fresh ``python train.py`` launch starts its own server,
+so it saves only the CPU of one interpreter's imports; its restarts, and launches from a process whose server
+runs already (``stratagem run`` called in a test's process), save the workers' imports whole.
 
 What a worker sees stays what a spawned one would see:
 
@@ -14,12 +22,18 @@ What a worker sees stays what a spawned one would see:
   worker the whole environment (:func:`environment_for_worker`), and the worker drops what the launching
   process no longer has (:func:`adopt_launch_environment`). Compute threads follow ``OMP_NUM_THREADS`` as a
   new interpreter would.
-- Exit handlers (``atexit``) run when the worker's function is done, as at a spawned worker's exit.
+- Exit handlers (``atexit``) run when the worker's function or script is done, as at a spawned worker's exit.
+- A script worker has the ``sys.argv``, ``sys.orig_argv``, ``sys.path`` (asked of a new interpreter once per
+  environment: :func:`interpreter_path`), ``__main__``, command line (``ps``) and session of its own that the
+  agent's new process would have; an uncaught exception goes to ``sys.excepthook`` (stratagem's records it)
+  and exits 1, ``SystemExit`` gives its status, Ctrl-C ends it by the signal.
 
-``STRATAGEM_START_METHOD=spawn`` starts every function worker as a new interpreter instead. Scripts
-(``python train.py`` with ``devices=2``, ``stratagem run``) are new processes either way: they re-run a command.
+What differs: a forked worker is the server's child, not the launching process's; its standard streams are the
+server's (the launching process's when the server started; a process that moves its own file descriptors
+later, as pytest's capture does, keeps the workers' output where it was), and its standard input is empty.
+
+``STRATAGEM_START_METHOD=spawn`` starts every worker, function or script, as a new interpreter instead.
 """
-
 from __future__ import annotations
 
 import atexit
