@@ -34,6 +34,7 @@ later, as pytest's capture does, keeps the workers' output where it was), and it
 
 ``STRATAGEM_START_METHOD=spawn`` starts every worker, function or script, as a new interpreter instead.
 """
+
 from __future__ import annotations
 
 import atexit
