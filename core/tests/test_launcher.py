@@ -165,3 +165,51 @@ def test_an_unknown_start_method_is_refused_naming_the_methods(monkeypatch) -> N
         _worker_start.launch_function(print, (), nproc_per_node=2)
     monkeypatch.setenv("STRATAGEM_START_METHOD", "Spawn")
     assert _forked_workers.start_method() == "spawn"
+
+
+def _script_launch(tmp_path: Path, name: str, command: list[str]) -> list[dict]:
+    out = tmp_path / name
+    _worker_start.launch_script([sys.executable, *command, str(out)], nproc_per_node=2)
+    for rank in (0, 1):
+        assert (tmp_path / f"{name}.exit.{rank}").read_text() == "exit handlers ran", (name, rank)
+    # Each launch writes to a name of its own, "OUT" in what is compared.
+    return [json.loads((tmp_path / f"{name}.{rank}").read_text().replace(str(out), "OUT")) for rank in (0, 1)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_forked_script_workers_see_what_spawned_ones_would(tmp_path: Path, monkeypatch) -> None:
+    """A script run with devices=2 (this interpreter running a file or a module) starts its workers as forks of
+    the fork server: each sees the argv, sys.path, __main__ and session a new interpreter would; its exit status
+    and uncaught exception reach the launcher as a spawned worker's do, and its exit handlers run."""
+    script = str(WORKLOADS / "forked_scripts.py")
+    forked = _script_launch(tmp_path, "forked", [script])
+    monkeypatch.setenv("STRATAGEM_START_METHOD", "spawn")
+    spawned = _script_launch(tmp_path, "spawned", [script])
+    monkeypatch.delenv("STRATAGEM_START_METHOD")
+    # Forked from the server, not started by this process; a spawned worker is this process's child.
+    assert {r.pop("parent") for r in spawned} == {os.getpid()}
+    assert os.getpid() not in {r.pop("parent") for r in forked}
+    assert forked == spawned
+    assert forked[0]["path"][0] == str(WORKLOADS) and forked[0]["main"] and forked[0]["session_leader"]
+
+    # python -m: sys.path starts at the working directory, argv[0] is the module's file.
+    monkeypatch.chdir(WORKLOADS)
+    module, other_rank = _script_launch(tmp_path, "module", ["-m", "forked_scripts"])
+    assert module == other_rank
+    assert module["path"][0] == str(WORKLOADS) and module["path"][1:] == forked[0]["path"][1:], module
+    assert module["argv"] == [script, "OUT"] and module["spec"] == "forked_scripts", module
+    assert os.getpid() != module["parent"]
+
+    with pytest.raises(sg.WorkerFailedError) as exited:
+        _worker_start.launch_script(
+            [sys.executable, script, str(tmp_path / "e"), "exit", "3"], nproc_per_node=2
+        )
+    assert (exited.value.rank, exited.value.exitcode) == (1, 3)
+    with pytest.raises(sg.WorkerFailedError) as raised:
+        _worker_start.launch_script([sys.executable, script, str(tmp_path / "r"), "raise"], nproc_per_node=2)
+    assert (raised.value.rank, raised.value.exitcode) == (1, 1)
+    # The traceback starts at the script, as the interpreter's does.
+    frames = raised.value.detail.split("Traceback (most recent call last):\n", 1)[1]
+    assert frames.startswith(f'  File "{script}", line ') and "runpy" not in frames, raised.value.detail
+    assert "ValueError: deliberate failure in the script" in raised.value.detail

@@ -73,8 +73,10 @@ def _agent_class() -> type:
             # folder instead. Only while the workers start, as tempfile.tempdir is the whole process's.
             saved = tempfile.tempdir
             tempfile.tempdir = str(self.worker_tmp)
+            scripts = worker_group.spec.entrypoint is _forked_workers.run_script
             try:
-                return super()._start_workers(worker_group)
+                with _forked_workers.no_main_to_import() if scripts else contextlib.nullcontext():
+                    return super()._start_workers(worker_group)
             finally:
                 tempfile.tempdir = saved
                 self._stop_at_once()
@@ -92,6 +94,10 @@ def _agent_class() -> type:
             context = self._pcontext
             if context is None or getattr(context, "_stratagem_stops", False):
                 return
+            # Forked workers (torch.multiprocessing's): its join, which sees the failure first, stops the others
+            # itself with terminate (SIGTERM) and waits up to 30 s.
+            for process in getattr(getattr(context, "_pc", None), "processes", None) or []:
+                process.terminate = process.kill
             close = context.close
             # Weak references: the context holds this function, and a cycle through the agent would keep the
             # rendezvous store (and its port) alive after the run until the garbage collector came by.

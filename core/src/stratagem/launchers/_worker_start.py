@@ -111,10 +111,10 @@ def set_task_threads(accelerator: str) -> None:
 
 @contextlib.contextmanager
 def _quiet_agent() -> Iterator[None]:
-    # The agent logs every start and a table per failure; stratagem reports the failure itself, once.
-    loggers = [
-        logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")
-    ]
+    # The agent logs every start and a table per failure, and torch.multiprocessing each worker it stops after
+    # another failed; stratagem reports the failure itself, once.
+    names = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    loggers = [logging.getLogger(name) for name in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
@@ -199,14 +199,22 @@ def _run(
         # The workers share the agent's store, which outlives a restart with the failed attempt's keys; the
         # strategies keep each attempt's keys apart (ClusterEnvironment.restart_count).
         agent_env = {**env, _elastic_agent.RESTART_LOG_ENV: str(restart_log)}
-        start_method = "spawn"  # a script is a new process whatever the method
-        if callable(entrypoint):
+        start_method = "spawn"
+        script = None if callable(entrypoint) else _forked_workers.script_arguments([entrypoint, *args])
+        if callable(entrypoint) or script is not None:
             start_method = _forked_workers.start_method()
-            if start_method == "forkserver":
-                # Before the launch's environment is set: the server outlives this launch.
-                server_env: dict[str, str | None] = {k: v for k, v in env.items() if k in CPU_ALLOCATOR_ENV}
-                with _environment({**server_env, **dict.fromkeys(_forked_workers.PER_WORKER_ENV)}):
-                    _forked_workers.ensure_server()
+        if start_method == "forkserver" and script is not None:
+            # This interpreter running a script or a module: forked workers run it.
+            command = [entrypoint, *args]
+            entrypoint, args = (
+                _forked_workers.run_script,
+                [command, script, _forked_workers.interpreter_path()],
+            )
+        if start_method == "forkserver":
+            # Before the launch's environment is set: the server outlives this launch.
+            server_env: dict[str, str | None] = {k: v for k, v in env.items() if k in CPU_ALLOCATOR_ENV}
+            with _environment({**server_env, **dict.fromkeys(_forked_workers.PER_WORKER_ENV)}):
+                _forked_workers.ensure_server()
         with _environment(agent_env), _quiet_agent():
             try:
                 return _elastic_agent.run_agent(
