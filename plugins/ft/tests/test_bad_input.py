@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import pytest
+import torch.distributed
 
 import stratagem as sg
 from stratagem.errors import ConfigurationError
@@ -67,6 +68,7 @@ def test_an_unreachable_lighthouse_is_named_within_the_timeout() -> None:
     with pytest.raises(ConfigurationError, match=f"lighthouse at {address} cannot be reached"):
         engine.setup_environment()
     assert time.monotonic() - began < 1 + 3
+    assert not torch.distributed.is_initialized(), "a refused set-up left its process group behind"
     engine.teardown()
 
 
@@ -80,4 +82,5 @@ def test_a_group_of_several_without_the_launcher_or_a_lighthouse(monkeypatch: py
     engine = sg.Engine(strategy="ft_ddp[replica_id=1,num_replica_groups=2]", accelerator="cpu")
     with pytest.raises(ConfigurationError, match=r"no lighthouse.*replica_groups launcher"):
         engine.setup_environment()
+    assert not torch.distributed.is_initialized(), "a refused set-up left its process group behind"
     engine.teardown()

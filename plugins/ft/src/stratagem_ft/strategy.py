@@ -91,16 +91,26 @@ class FTStrategy(TorchDistributedStrategy):
     # environment ----------------------------------------------------------------------------------
     @hookimpl
     def setup_environment(self, cluster: ClusterEnvironment, precision: str) -> None:
-        TorchDistributedStrategy.setup_environment(self, cluster, precision)
+        # What needs no process group is checked before joining one.
         self.replica_id, self.num_replica_groups = self.config.identity()
         address = self.config.lighthouse_address()
+        if address is None and self.num_replica_groups > 1:
+            raise ConfigurationError(
+                f"{self.label}(num_replica_groups={self.num_replica_groups}): no lighthouse. Give its address "
+                "as lighthouse=http://HOST:PORT or $TORCHFT_LIGHTHOUSE, or start the groups with the "
+                "replica_groups launcher, which starts one."
+            )
+        TorchDistributedStrategy.setup_environment(self, cluster, precision)
+        try:
+            self._meet_lighthouse(address)
+        except ConfigurationError:
+            # Every rank refuses alike (the check's outcome is broadcast): none is left waiting, and a refused
+            # set-up leaves nothing running, neither its lighthouse nor its process group.
+            self.teardown()
+            raise
+
+    def _meet_lighthouse(self, address: str | None) -> None:
         if address is None:
-            if self.num_replica_groups > 1:
-                raise ConfigurationError(
-                    f"{self.label}(num_replica_groups={self.num_replica_groups}): no lighthouse. Give its address "
-                    "as lighthouse=http://HOST:PORT or $TORCHFT_LIGHTHOUSE, or start the groups with the "
-                    "replica_groups launcher, which starts one."
-                )
             # A job of one replica group has no one to meet: it runs a lighthouse of its own.
             if self.rank == 0:
                 self._lighthouse_server = _lighthouse.start(self.config.heartbeat_timeout)
