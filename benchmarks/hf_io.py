@@ -58,6 +58,22 @@ def llama_config(megabytes: int) -> Any:
     )
 
 
+def save_random_llama(megabytes: int, folder: Path) -> tuple[int, int]:
+    """A Llama of about ``megabytes`` (float32) with random weights, saved to ``folder`` in safetensors files of
+    at most 200 MB; returns its bytes and its largest tensor's."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(megabytes))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.02)
+    model.save_pretrained(folder, max_shard_size="200MB")
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    return sum(sizes), max(sizes)
+
+
 def _fsync_tree(directory: Path) -> None:
     for file in directory.iterdir():
         fd = os.open(file, os.O_RDONLY)
@@ -237,20 +253,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from transformers import LlamaForCausalLM
 
     with tempfile.TemporaryDirectory(prefix="hf-io-", dir=os.environ.get("BENCH_DIR")) as tmp:
         work = Path(tmp)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(llama_config(args.megabytes))
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for param in model.parameters():
-                param.normal_(0, 0.02)
-        total = sum(p.numel() * 4 for p in model.parameters())
-        model.save_pretrained(work / "hf", max_shard_size="200MB")
-        largest = max(p.numel() * 4 for p in model.parameters())
-        del model
+        total, largest = save_random_llama(args.megabytes, work / "hf")
         (work / "out").mkdir()
         command = [
             sys.executable,

@@ -22,11 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import table
-from hf_io import llama_config
+from hf_io import save_random_llama
 
 PHASES = {
     "check the names": ("stratagem.checkpoint._hf_load", "Loader", "__init__"),
@@ -90,19 +88,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--processes", type=int, default=4)
     args = p.parse_args()
-    from transformers import LlamaForCausalLM
 
     import stratagem as sg
 
     with tempfile.TemporaryDirectory(prefix="hf-phases-", dir=os.environ.get("BENCH_DIR")) as tmp:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(llama_config(args.megabytes))
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for param in model.parameters():
-                param.normal_(0, 0.02)
-        model.save_pretrained(Path(tmp) / "hf", max_shard_size="200MB")
-        del model
+        save_random_llama(args.megabytes, Path(tmp) / "hf")
         engine = sg.Engine(strategy="fsdp", accelerator="cpu", devices=args.processes)
         ranks = engine.launch(work, str(Path(tmp) / "hf"), args.repeats)
     names = ["build on meta (user code)", *PHASES, "whole load (build + setup)"]
