@@ -134,18 +134,26 @@ def test_a_flipped_bit_is_detected_in_every_region(runs: dict[str, Any], case: s
     for seed, (target, label, span) in enumerate(trials):
         original, bit = flip(target, seed, span)
         print(f"{case}: seed {seed}: bit {bit} ({label}) of {target}")
-        try:
-            failure = verify(checkpoint).first_failure()
-            assert failure is not None, (seed, target, label, bit)
-            assert target.endswith(failure.name), (seed, target, label, failure)
-            if loadable and target in loaded:
-                with pytest.raises(CheckpointError) as caught:
-                    _load(checkpoint)
-                name = target.rsplit("/", 1)[-1]
-                assert name in str(caught.value), (seed, target, label, str(caught.value))
-        finally:
-            write(target, original)
+        refused(checkpoint, target, original, loadable and target in loaded, (seed, target, label, bit))
     assert verify(checkpoint).passed
+
+
+def refused(checkpoint: str, target: str, original: bytes, load: bool, trial: tuple[Any, ...]) -> None:
+    """The flipped ``target`` is refused by ``verify`` and, with ``load``, by a load, each naming it; then its
+    ``original`` bytes are written back."""
+    from stratagem.checkpoint._verify import verify
+
+    try:
+        failure = verify(checkpoint).first_failure()
+        assert failure is not None, trial
+        assert target.endswith(failure.name), (*trial, failure)
+        if load:
+            with pytest.raises(CheckpointError) as caught:
+                _load(checkpoint)
+            name = target.rsplit("/", 1)[-1]
+            assert name in str(caught.value), (*trial, str(caught.value))
+    finally:
+        write(target, original)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -184,14 +192,6 @@ def test_twenty_random_flips_are_detected_on_load(runs: dict[str, Any], case: st
         target = random.Random(f"file {seed}").choice(files)  # apart from the offset's draw
         original, bit = flip(target, seed)
         print(f"{case}: random trial {seed}: bit {bit} of {target}")
-        try:
-            failure = verify(checkpoint).first_failure()
-            assert failure is not None and target.endswith(failure.name), (seed, target, bit, failure)
-            if loadable and (seed < S3_LOADS or not case.endswith("/s3")):
-                with pytest.raises(CheckpointError) as caught:
-                    _load(checkpoint)
-                name = target.rsplit("/", 1)[-1]
-                assert name in str(caught.value), (seed, target, bit, str(caught.value))
-        finally:
-            write(target, original)
+        load = loadable and (seed < S3_LOADS or not case.endswith("/s3"))
+        refused(checkpoint, target, original, load, (seed, target, bit))
     assert verify(checkpoint).passed
