@@ -5,7 +5,8 @@
     python benchmarks/plan.py activations                      # the estimate against torch's tracker on real steps
 
 Each plan runs as its own process (`python -m stratagem plan --json`), timed from start to exit, its peak
-resident memory read from the kernel (``os.wait4``).
+resident memory read from the kernel (``os.wait4``: the largest of the plan's process and the children it forks
+to simulate ranks meanwhile, one per core; "RSS bound" is that peak times the cores, a bound of their sum).
 
 - ``scale``: benchmarks/configs/llama-1t.json (1.02e12 parameters, 144 layers) at 2048 ranks (256 nodes x 8)
   under fsdp, fsdp_tp (tensor parallel 8) and pp_fsdp_tp (pipeline 16, tensor parallel 8, data parallel 16);
@@ -47,6 +48,9 @@ SCALE = {
 
 
 LAST_CPU_SECONDS = [0.0]
+#: A plan simulates ranks in as many processes at once as this process may use cores (stratagem.planning's
+#: default ``workers``). The kernel gives the largest one's peak RSS; these many times it bounds their sum.
+PROCESSES = len(os.sched_getaffinity(0))
 
 
 def run_plan(args: list[str]) -> tuple[dict[str, Any], float, int]:
@@ -163,6 +167,7 @@ def scale(names: list[str], seq: int) -> None:
                 f"{seconds:.0f}",
                 f"{LAST_CPU_SECONDS[0]:.0f}",
                 f"{rss / 2**30:.2f}",
+                f"{PROCESSES * rss / 2**30:.2f}",
                 s["status"],
             )
         )
@@ -180,6 +185,7 @@ HEADER = (
     "seconds",
     "cpu seconds",
     "peak RSS GiB",
+    "RSS bound GiB",
     "status",
 )
 

@@ -129,6 +129,20 @@ def simulate_rank(
     return memory, Facts(mesh=shape, groups=groups)
 
 
+def mesh_of(info: Any, options: dict[str, Any], world: World) -> tuple[int, ...] | None:
+    """The shape of the device mesh ``info``'s strategy forms as rank 0 of ``world`` (``None`` without one): its
+    ``setup_environment`` alone, which is where a strategy forms its mesh, before it sees the model."""
+    from stratagem.registry._manager import StrategyHooks
+
+    with simulated_world(0, world.size):
+        strategy = info.create(**options)
+        hooks = StrategyHooks(strategy, addons=[])
+        hooks.setup_environment(world.cluster(0, BACKEND), world.precision)
+        mesh = getattr(strategy, "device_mesh", None)
+        hooks.teardown()
+    return tuple(mesh.mesh.shape) if mesh is not None and hasattr(mesh, "mesh") else None
+
+
 def _step(
     hooks: Any,
     strategy: Any,

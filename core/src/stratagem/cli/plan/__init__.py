@@ -44,6 +44,12 @@ def _add_parser(sub: argparse._SubParsersAction) -> None:
         choices=["largest", "all"],
         help="largest (default): rank 0 and the far end of each mesh dimension; all: every rank",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes simulating ranks at once (default: the cores this process may use; 1: one at a time)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -72,7 +78,15 @@ def _plan(args: argparse.Namespace) -> int:
     workload = _plan_models.workload(args.model, args.size)
     strategies = None if args.strategies is None else split_top_level(args.strategies)
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    result = plan(workload, world, memory=memory, strategies=strategies, ranks=args.ranks, progress=progress)
+    result = plan(
+        workload,
+        world,
+        memory=memory,
+        strategies=strategies,
+        ranks=args.ranks,
+        progress=progress,
+        workers=args.workers,
+    )
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
