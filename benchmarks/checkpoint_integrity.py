@@ -8,13 +8,18 @@ Goals: verification adds at most 5% to a load, checksumming at most 3% to a save
 same; only the summing and the comparisons are skipped), so the difference is what checksums cost and nothing
 else. Each pair's ratio (on / off - 1) is printed as a median with its interquartile range.
 
-    python benchmarks/checkpoint_integrity.py [--megabytes 500] [--repeats 7] [--dir DIR]
+    python benchmarks/checkpoint_integrity.py [--megabytes 500] [--repeats 7] [--dir DIR] [--cold]
+
+``--cold`` (root, Linux) empties the kernel's page cache before each load, as a job restarted on another node
+(or after the file's pages were evicted) reads its checkpoint: the load then reads the disk, and the verification
+pass is the read that brings the file in. Without it a load reads a file just written, from memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -66,7 +71,17 @@ def checks_off() -> Iterator[None]:
         ) = saved
 
 
-def _pairs(engine: sg.Engine, path: Path, fmt: str, megabytes: int, repeats: int) -> dict[str, list[float]]:
+def drop_page_cache(engine: sg.Engine) -> None:
+    """Write the machine's dirty pages out and empty its page cache (root only), on rank 0, the others waiting."""
+    if engine.global_rank == 0:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    engine.barrier()
+
+
+def _pairs(
+    engine: sg.Engine, path: Path, fmt: str, megabytes: int, repeats: int, cold: bool = False
+) -> dict[str, list[float]]:
     """Per pair, on/off - 1 for a save and for a load (first pair a warm-up, dropped)."""
     # The sharding test strategy shards the state dicts itself (ckpt_workers.ShardingTestStrategy).
     torch.manual_seed(0)
@@ -81,6 +96,8 @@ def _pairs(engine: sg.Engine, path: Path, fmt: str, megabytes: int, repeats: int
                 engine.save(path, {"model": model}, format=fmt)
                 engine.barrier()
                 times["save", on] = time.perf_counter() - start
+                if cold:
+                    drop_page_cache(engine)
                 start = time.perf_counter()
                 engine.load(path, {"model": target})
                 engine.barrier()
@@ -94,9 +111,9 @@ def _pairs(engine: sg.Engine, path: Path, fmt: str, megabytes: int, repeats: int
 
 
 def _sharded_worker(
-    engine: sg.Engine, directory: str, megabytes: int, repeats: int
+    engine: sg.Engine, directory: str, megabytes: int, repeats: int, cold: bool
 ) -> dict[str, list[float]]:
-    return _pairs(engine, Path(directory) / "two-sharded", "sharded", megabytes, repeats)
+    return _pairs(engine, Path(directory) / "two-sharded", "sharded", megabytes, repeats, cold)
 
 
 def _row(name: str, ratios: list[float], seconds: list[float], goal: float) -> list[object]:
@@ -120,7 +137,14 @@ def main() -> None:
     parser.add_argument(
         "--dir", default=None, help="where the checkpoints go (default: a temporary directory)"
     )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="empty the page cache before each load (root): a load that reads the disk",
+    )
     args = parser.parse_args()
+    if args.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        parser.error("--cold empties the page cache through /proc/sys/vm/drop_caches: run it as root (Linux)")
     from stratagem.checkpoint import _checksum
 
     data = torch.randn(64 * 2**20).numpy().tobytes()  # 256 MiB
@@ -132,14 +156,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         single = sg.Engine(strategy="single_device", accelerator="cpu")
-        full = _pairs(single, Path(scratch) / "one.ckpt", "full", args.megabytes, args.repeats)
+        full = _pairs(single, Path(scratch) / "one.ckpt", "full", args.megabytes, args.repeats, args.cold)
         rows.append(_row(f"full {args.megabytes} MB, 1 process: save", full["save"], full["save_s"], 0.03))
         rows.append(_row(f"full {args.megabytes} MB, 1 process: load", full["load"], full["load_s"], 0.05))
         engine = sg.Engine(strategy=W.ShardingTestStrategy(), accelerator="cpu", devices=2, timeout=1200)
-        two = engine.launch(_sharded_worker, scratch, args.megabytes, args.repeats)
+        two = engine.launch(_sharded_worker, scratch, args.megabytes, args.repeats, args.cold)
         rows.append(_row(f"sharded {args.megabytes} MB, 2 processes: save", two["save"], two["save_s"], 0.03))
         rows.append(_row(f"sharded {args.megabytes} MB, 2 processes: load", two["load"], two["load_s"], 0.05))
     print(table(rows, ["case", "time, checks off (median)", "checks on vs off (median, IQR)", "goal"]))
+    print(f"page cache: {'emptied before each load' if args.cold else 'warm (files just written)'}")
+    print(f"uptime: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

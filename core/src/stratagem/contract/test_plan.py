@@ -2,14 +2,14 @@
 
 The workers count, on every rank, the bytes of parameters, buffers, gradients and optimizer state after one
 optimizer step of a fresh model (``Strategy.memory_held``, in the suite's launches). This process plans the same
-model, micro-batch and optimizer on the same world size with :func:`stratagem.planning.plan`, as a user's plan
-is made (``ranks="largest"``): rank 0 set up and stepped, the far end of each mesh dimension set up, and stepped
-too where it holds more; an estimated strategy gives its largest rank. Byte for byte, each rank the plan steps
-holds what that rank of the run holds, every rank it only sets up holds the parameters and buffers of its run,
-and no rank of the run holds more than the rank the plan reports as the largest.
+model, micro-batch and optimizer on the same world size with :func:`stratagem.planning.plan`, every rank set up
+and stepped (``ranks="all"``; the ranks are simulated on every core at once); an estimated strategy gives its
+largest rank. Byte for byte, each rank the plan gives holds what that rank of the run holds, and no rank of the
+run holds more than the rank the plan reports as the largest.
 
-Every rank stepped (``ranks="all"``) would check the gradients and optimizer state of the ranks the plan only
-sets up too, at a simulated step per rank: most of what the check cost (tens of seconds per family).
+A user's plan (``ranks="largest"``) simulates a subset of these ranks, each the same way: rank 0, the far ends of
+the mesh, and stepped where one holds more (core/tests/test_planning.py and test_planning_parallel.py check the
+choice).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def planned(run: Any) -> Any:
     from stratagem.planning import World, plan
 
     world = World(devices=run.subject.world_size, batch_size=m.PER_RANK_BATCH, sequence_length=m.SEQUENCE)
-    return plan(m.plan_workload(), world, strategies=[run.subject.name]).strategies[0]
+    return plan(m.plan_workload(), world, strategies=[run.subject.name], ranks="all").strategies[0]
 
 
 def problems_against(result: Any, held: dict[int, dict[str, int]]) -> list[str]:
@@ -40,8 +40,12 @@ def problems_against(result: Any, held: dict[int, dict[str, int]]) -> list[str]:
     ``held`` (``{rank: bytes by kind}``) contradicts."""
     problems = []
     largest = result.largest
-    # A simulated plan steps rank 0 always, and the rank it reports; an estimate gives the one it reports.
-    stepped = {largest.rank, 0} if result.status == "simulated" else {largest.rank}
+    # A simulated plan steps every rank it gives (ranks="all"), and at least rank 0 and the largest otherwise; an
+    # estimate gives the one it reports.
+    if result.status == "simulated":
+        stepped = {largest.rank, 0} | {r.rank for r in result.ranks if r.stepped or r.note}
+    else:
+        stepped = {largest.rank}
     for rank_plan in result.ranks:
         real = held.get(rank_plan.rank)
         if real is None:
