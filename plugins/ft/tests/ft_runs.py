@@ -1,5 +1,6 @@
 """What the tests of stratagem-ft share: a launch of ``ft_train.py`` in a subprocess under a timeout, what they
-read from it, and the data each replica takes at each step (for the references written out by hand)."""
+read from it, the data each replica takes at each step (for the references written out by hand), and the same
+job under stratagem's ``ddp`` (the reference the acceptance names)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,23 @@ def data_parallel_reference(steps: int, replicas: int = 2, batch: int = 4) -> di
             (torch.nn.functional.mse_loss(model(x), y) / replicas).backward()
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def ddp_run(engine: Any, steps: int) -> dict[str, torch.Tensor]:
+    """In each worker of an ``Engine(strategy="ddp")`` launch: ``ft_train.py``'s job for ``steps`` steps through
+    the Engine (torch's DistributedDataParallel and its bucketed all-reduce), each rank on the batches that the
+    process of the same global rank takes under the Trainer. Returns the final parameters."""
+    import ft_train
+
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    module = ft_train.Regression()
+    model, optimizer = engine.setup(module, module.configure_optimizers())
+    for step in range(steps):
+        x, y = replica_batch(engine.rank, step, engine.world_size)
+        with engine.forward_context():
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        engine.backward(loss, model)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}

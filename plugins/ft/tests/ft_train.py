@@ -10,12 +10,15 @@ final parameters to ``OUT/final-<replica>.pt``.
 ``--kill-group G --kill-at N``: in its first attempt, group G's rank 0 kills itself (SIGKILL) at the end of
 step N, after its optimizer step and before the next step's quorum. ``--step-sleep`` slows every step, and
 ``--sleep-while-alone`` the steps taken while a group is away, so that the killed group's restart meets the
-others still training.
+others still training. ``--forward-at-end G``: group G runs one more forward after its last step, which opens a
+quorum that no step takes, and every group tears down before its process exits; every group writes when its
+process ended (after the interpreter joined its threads) to ``OUT/ended-<replica>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import faulthandler
 import hashlib
 import json
@@ -111,6 +114,10 @@ class Record:
         # survivors' step, while its own Trainer counts from its restart. It ends with the job.
         if manager is not None and manager.current_step() > self.args.steps:
             trainer.should_stop = True
+        if self.args.forward_at_end == self.replica and step == self.args.steps:
+            x, _ = batch
+            with trainer.engine.forward_context():
+                self.module(x)
         kill = self.args.kill_group == self.replica and self.args.kill_at == step and self.attempt == 0
         if kill and trainer.engine.is_global_zero:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -136,7 +143,11 @@ def main() -> None:
     p.add_argument("--sleep-while-alone", type=float, default=0.0)
     p.add_argument("--params-every-step", action="store_true")
     p.add_argument("--ckpt-every", type=int, default=None)
+    p.add_argument("--forward-at-end", type=int, default=None)
     args = p.parse_args()
+    ended = Path(args.out) / f"ended-{os.environ.get('REPLICA_GROUP_ID', '0')}"
+    # Python runs this after joining the process's threads (torchft's quorum thread among them).
+    atexit.register(lambda: ended.write_text(str(time.time())))
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)  # the same initial weights in every process, whatever the strategy
     model = Regression(lr=args.lr, optimizer=args.optimizer)
@@ -168,6 +179,9 @@ def main() -> None:
     params = full_params(model)
     if trainer.engine.is_global_zero:
         torch.save(params, Path(args.out) / f"final-{os.environ.get('REPLICA_GROUP_ID', '0')}.pt")
+    if args.forward_at_end is not None:
+        # Torn down before the process exits, as a worker of Engine.launch is (else at exit, after the join).
+        trainer.engine.teardown()
 
 
 if __name__ == "__main__":

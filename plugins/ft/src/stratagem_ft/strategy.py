@@ -208,6 +208,17 @@ class FTStrategy(TorchDistributedStrategy):
         return None
 
     @hookimpl
+    def forward_context(self) -> ContextManager[None]:
+        # The Engine's step (Engine.train_batch, or forward/backward/step by hand) calls no hook before its
+        # forward but this one: opening the quorum here, not at backward, overlaps the lighthouse's round trip
+        # with the forward too. Not under no_grad (an evaluation), whose forward leads to no step. Not earlier,
+        # at the end of the step before: a group that died between two steps would then be in the next quorum
+        # already, and the survivors would lose that step.
+        if torch.is_grad_enabled():
+            self._open_quorum()
+        return Strategy.forward_context(self)
+
+    @hookimpl
     def backward(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
         self._open_quorum()
         Strategy.backward(self, loss=loss, model=model)
@@ -258,6 +269,13 @@ class FTStrategy(TorchDistributedStrategy):
             print(f"stratagem-ft: replica group {self.replica_id}: {message}.", file=sys.stderr, flush=True)
 
     def _shutdown_manager(self) -> None:
+        if self._quorum_open:
+            # A quorum opened for a step that never came (the job ended after a forward). Its request waits at
+            # the lighthouse on the Manager's thread, which the interpreter joins at exit: shut down now, the
+            # Manager would stop the heartbeats the lighthouse answers on, and the exit would wait out
+            # quorum_timeout. Alive, it is answered once the groups that ended are dropped (heartbeat_timeout).
+            with contextlib.suppress(Exception):
+                self.manager.wait_quorum()
         self.manager.shutdown(wait=False)
         self.manager = None
         self._quorum_open = False
