@@ -60,8 +60,8 @@ def _advise_huge_pages(block: torch.Tensor) -> None:
 
 def to_empty_in_one_block(model: torch.nn.Module, device: torch.device) -> None:
     """``model.to_empty(device=device)``, with the meta tensors placed in one block on the CPU (see the module's
-    docstring). A tensor already on ``device`` (a tied parameter met a second time) is kept, not given fresh
-    memory."""
+    docstring). A tensor already on ``device`` keeps its memory and values, where ``to_empty`` would give it
+    fresh memory: one the meta build made on the CPU, or a tied parameter met a second time."""
     if device.type != "cpu":
         model.to_empty(device=device)
         return
@@ -74,7 +74,7 @@ def to_empty_in_one_block(model: torch.nn.Module, device: torch.device) -> None:
     def allocate(tensor: torch.Tensor) -> Any:
         nonlocal used
         if not tensor.is_meta and tensor.device == device:
-            # A tied parameter met again: the same object, its pooled tensor swapped in at the first visit.
+            # Made off the meta device, or a tied parameter whose block tensor the first visit swapped in.
             if isinstance(tensor, DTensor):
                 return DTensor.from_local(
                     tensor._local_tensor,  # type: ignore[attr-defined]
