@@ -13,6 +13,7 @@ seconds are the rank's own (``thread_time``): what contention for the cores does
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import subprocess
@@ -77,6 +78,7 @@ def work(engine: Any, folder: str, repeats: int) -> list[Any]:
         if repeat:
             rows.append({k: list(v) for k, v in times.items()})
         del model
+        gc.collect()  # FSDP's reference cycles: the model is freed here, and the next load reuses its memory
     every: list[Any] = [None] * engine.world_size
     dist.all_gather_object(every, rows)
     return every

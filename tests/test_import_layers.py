@@ -42,7 +42,7 @@ CORE_LAYERS: list[tuple[str, ...]] = [
 PLUGIN_LAYERS: dict[str, list[tuple[str, ...]]] = {
     "stratagem_ddp": [("_plugin",), ("_config", "_post_local_sgd"), ("strategy",), ("",)],
     "stratagem_fsdp": [
-        ("_plugin",),
+        ("_plugin", "_pool"),
         ("_policy", "_init"),
         ("_config", "_wrap"),
         ("_mesh",),

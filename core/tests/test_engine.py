@@ -92,6 +92,25 @@ def test_single_process_loop_save_and_load(tmp_path: Path) -> None:
     assert engine.all_reduce(2.0, "sum").item() == 2.0
 
 
+def test_a_model_set_up_and_dropped_is_freed_and_one_left_is_the_one_calls_default_to() -> None:
+    """The engine holds no model its caller dropped: a process that sets up model after model (a sweep, a
+    benchmark's repeats) would otherwise keep the memory of every one."""
+    import gc
+    import weakref
+
+    engine = sg.Engine(strategy="single_device", accelerator="cpu")
+    first = engine.setup(torch.nn.Linear(4, 4))
+    gone = weakref.ref(first)
+    kept = engine.setup(torch.nn.Linear(4, 4))
+    with pytest.raises(ConfigurationError, match="Several models"):
+        engine.no_sync()
+    del first
+    gc.collect()
+    assert gone() is None
+    engine.backward(kept(torch.ones(1, 4)).sum())  # the one model left, without naming it
+    assert kept.weight.grad is not None
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_launch_runs_the_function_in_every_process(temp_dir) -> None:

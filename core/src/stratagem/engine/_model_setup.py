@@ -7,6 +7,7 @@ the strategy, and the models set up (a step operation that names no model means 
 from __future__ import annotations
 
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from stratagem.engine._defaults import COMPILE_ENV
@@ -32,8 +33,9 @@ class ModelSetup:
 
     def __init__(self, runtime: StrategyRuntime) -> None:
         self._runtime = runtime
-        #: The models set up so far, in order.
-        self.models: list[torch.nn.Module] = []
+        # The models set up so far and still in use, in order: held weakly, so that a model its caller dropped
+        # is freed (a process that sets up model after model kept every one's memory).
+        self._models: list[weakref.ref[torch.nn.Module]] = []
         #: The regions the last set-up compiled ("" for a whole module); empty without compile.
         self.compiled_regions: list[str] = []
 
@@ -61,9 +63,16 @@ class ModelSetup:
         """``model``, or when a call names none, the one model set up."""
         if model is not None:
             return model
-        if len(self.models) != 1:
+        models = self.models
+        if len(models) != 1:
             raise ConfigurationError("Several models are set up: pass the one this call is for (model=...).")
-        return self.models[0]
+        return models[0]
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The models set up so far that are still in use, in order."""
+        self._models = [ref for ref in self._models if ref() is not None]
+        return [model for model in (ref() for ref in self._models) if model is not None]
 
     def setup_optimizers(
         self, model: torch.nn.Module, optimizers: tuple[Any, ...]
@@ -101,7 +110,7 @@ class ModelSetup:
         """The model wrapped (with Hugging Face weights read into it, given ``init_weights``), and kept."""
         self._runtime.setup_environment()
         wrapped = wrap_and_load(self._runtime, model, init_weights, lambda: self._wrap(model, compile))
-        self.models.append(wrapped)
+        self._models.append(weakref.ref(wrapped))
         return wrapped
 
     def _wrap(self, model: torch.nn.Module, compile: Any) -> torch.nn.Module:

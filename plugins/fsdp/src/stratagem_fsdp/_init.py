@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from stratagem.errors import ConfigurationError
 from stratagem.strategies.wrapping import initializing
+from stratagem_fsdp._pool import to_empty_in_one_block
 
 
 def random_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -41,9 +42,10 @@ def using_random_state(state: dict[str, torch.Tensor], device: torch.device) -> 
 
 def materialize_sharded(model: torch.nn.Module, device: torch.device, state: dict[str, torch.Tensor]) -> None:
     """Allocate the meta tensors of ``model`` (sharded or not) on ``device`` and initialise them."""
-    model.to_empty(device=device)
-    if not initializing():  # the weights are read from a checkpoint next
+    if not initializing():  # the weights are read from a checkpoint next, into memory allocated in one block
+        to_empty_in_one_block(model, device)
         return
+    model.to_empty(device=device)
     uninitialised = []
     with torch.no_grad(), using_random_state(state, device):
         for name, module in model.named_modules():
