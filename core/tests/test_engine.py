@@ -109,6 +109,10 @@ def test_a_model_set_up_and_dropped_is_freed_and_one_left_is_the_one_calls_defau
     assert gone() is None
     engine.backward(kept(torch.ones(1, 4)).sum())  # the one model left, without naming it
     assert kept.weight.grad is not None
+    del kept
+    gc.collect()
+    with pytest.raises(ConfigurationError, match="No model set up is in use"):
+        engine.no_sync()
 
 
 @pytest.mark.multiprocess

@@ -64,6 +64,11 @@ class ModelSetup:
         if model is not None:
             return model
         models = self.models
+        if not models:
+            raise ConfigurationError(
+                "No model set up is in use (none was set up, or every one set up was dropped): set it up with "
+                "engine.setup(model) and keep what it returns, or pass the model this call is for (model=...)."
+            )
         if len(models) != 1:
             raise ConfigurationError("Several models are set up: pass the one this call is for (model=...).")
         return models[0]
