@@ -7,6 +7,7 @@ Module-level functions, so that function workers import them. The models are reb
 
 from __future__ import annotations
 
+import resource
 import traceback
 from typing import Any
 
@@ -73,7 +74,7 @@ def run_all(engine: Any, runs: list[tuple[str, str]], llama_config: str) -> dict
     """Each ``(strategy, model)`` of ``runs`` in turn, in these processes: a fresh Engine per strategy on the
     launch's process group (it joins the group the launching engine formed, and leaves it to that engine),
     torn down before the next. Returns, on every rank, ``{"held": {(strategy, model): {rank: [bytes...]}},
-    "errors": {(strategy, model): {rank: traceback}}}``; a run that raises is recorded, and the next goes on."""
+    "errors": {(strategy, model): {rank: traceback}}, "cpu_seconds": {rank: seconds}}``; a run that raises is recorded, and the next goes on."""
     import torch.distributed as dist
 
     from stratagem.engine import Engine
@@ -97,10 +98,13 @@ def run_all(engine: Any, runs: list[tuple[str, str]], llama_config: str) -> dict
             # inside a collective of the step; their own timeout ends that).
             engine.barrier("plan-against-runs")
         run.teardown()
+    # What the runs cost this worker (a forked worker's counts start at its fork).
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     every: list[Any] = [None] * engine.world_size
-    dist.all_gather_object(every, (engine.rank, held, errors))
-    out: dict[str, Any] = {"held": {}, "errors": {}}
-    for rank, rank_held, rank_errors in every:
+    dist.all_gather_object(every, (engine.rank, held, errors, usage.ru_utime + usage.ru_stime))
+    out: dict[str, Any] = {"held": {}, "errors": {}, "cpu_seconds": {}}
+    for rank, rank_held, rank_errors, seconds in every:
+        out["cpu_seconds"][rank] = seconds
         for key, counts in rank_held.items():
             out["held"].setdefault(key, {})[rank] = counts
         for key, text in rank_errors.items():
