@@ -25,13 +25,18 @@ stages.
 
 Cost: the workers start once per world size for the strategies torch runs, each worker going through every
 strategy in turn (a fresh Engine on the launch's process group, torn down before the next), and once per size
-for DeepSpeed, which patches torch in the processes it runs in. The plans are made in this process.
+for DeepSpeed, which patches torch in the processes it runs in. The plans are made meanwhile, in a process forked
+from this one.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
+import pickle
+import traceback
+from pathlib import Path
 from typing import Any
 
 import plan_run_workers as w
@@ -91,7 +96,7 @@ def llama_config(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def launched(llama_config: str) -> Any:
+def launched(llama_config: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``get(family, size)``: the held bytes of one launch (``torch`` or ``deepspeed``), launched when a test
     first asks for it."""
     done: dict[tuple[str, int], dict[str, Any]] = {}
@@ -99,12 +104,47 @@ def launched(llama_config: str) -> Any:
     def get(family: str, size: int) -> dict[str, Any]:
         if (family, size) not in done:
             strategies = TORCH[size] if family == "torch" else DEEPSPEED
-            # The launching engine forms the process group each strategy's Engine then joins.
-            engine = sg.Engine(strategy=strategies[0], accelerator="cpu", devices=size, timeout=120)
-            done[family, size] = engine.launch(w.run_all, _runs(strategies, size), llama_config)
+            runs = _runs(strategies, size)
+            # The plans are made while the workers run: they leave about a core of the two idle (waiting on
+            # each other), which the plans take.
+            path = tmp_path_factory.mktemp(f"plans-{family}-{size}") / "plans.pickle"
+            planning = multiprocessing.get_context("fork").Process(
+                target=_plan_all, args=(runs, size, llama_config, str(path)), daemon=True
+            )
+            planning.start()
+            try:
+                # The launching engine forms the process group each strategy's Engine then joins.
+                engine = sg.Engine(strategy=strategies[0], accelerator="cpu", devices=size, timeout=120)
+                result = engine.launch(w.run_all, runs, llama_config)
+                planning.join(PLANS_TIMEOUT_S)
+            finally:
+                if planning.is_alive():
+                    planning.kill()
+                    planning.join()
+            if not path.exists():
+                pytest.fail(
+                    f"the plans of {family} at {size} processes did not finish (exit code {planning.exitcode})"
+                )
+            done[family, size] = {**result, "plans": pickle.loads(path.read_bytes())}
         return done[family, size]
 
     return get
+
+
+#: How long the plans may take once the workers are done.
+PLANS_TIMEOUT_S = 300
+
+
+def _plan_all(runs: list[tuple[str, str]], size: int, llama_config: str, path: str) -> None:
+    """The plan of each ``(strategy, model)`` (or why it raised), pickled to ``path``: in a process of its own."""
+    workloads = w.workloads(llama_config)
+    plans: dict[tuple[str, str], Any] = {}
+    for strategy, model in runs:
+        try:
+            plans[strategy, model] = planned(workloads[model], strategy, size)
+        except Exception:
+            plans[strategy, model] = traceback.format_exc()
+    Path(path).write_bytes(pickle.dumps(plans))
 
 
 def planned(workload: Any, strategy: str, size: int) -> Any:
@@ -128,8 +168,7 @@ def _every_rank_as_estimated(estimate: Any, held: dict[int, dict[str, int]]) -> 
     ]
 
 
-def check(results: dict[str, Any], strategy: str, size: int, llama_config: str) -> None:
-    workloads = w.workloads(llama_config)
+def check(results: dict[str, Any], strategy: str, size: int) -> None:
     problems = []
     for model in models(strategy, size):
         key = (strategy, model)
@@ -142,7 +181,10 @@ def check(results: dict[str, Any], strategy: str, size: int, llama_config: str) 
             for rank, counts in results["held"][key].items()
         }
         assert sorted(held) == list(range(size)), (model, sorted(held))
-        result = planned(workloads[model], strategy, size)
+        result = results["plans"][key]
+        if isinstance(result, str):
+            problems.append(f"{model}: the plan raised:\n{result}")
+            continue
         if result.largest is None:
             problems.append(f"{model}: the plan could not set it up: {result.reason}")
             continue
@@ -157,16 +199,12 @@ def check(results: dict[str, Any], strategy: str, size: int, llama_config: str) 
 @pytest.mark.parametrize(
     ("strategy", "size"), [(s, n) for n, names in TORCH.items() for s in names], ids=lambda v: str(v)
 )
-def test_the_plan_holds_what_the_run_holds(
-    launched: Any, llama_config: str, strategy: str, size: int
-) -> None:
-    check(launched("torch", size), strategy, size, llama_config)
+def test_the_plan_holds_what_the_run_holds(launched: Any, strategy: str, size: int) -> None:
+    check(launched("torch", size), strategy, size)
 
 
 @pytest.mark.deepspeed
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="needs deepspeed")
 @pytest.mark.parametrize(("strategy", "size"), [(s, n) for n in (2, 4) for s in DEEPSPEED], ids=str)
-def test_deepspeed_estimate_holds_what_the_run_holds(
-    launched: Any, llama_config: str, strategy: str, size: int
-) -> None:
-    check(launched("deepspeed", size), strategy, size, llama_config)
+def test_deepspeed_estimate_holds_what_the_run_holds(launched: Any, strategy: str, size: int) -> None:
+    check(launched("deepspeed", size), strategy, size)
