@@ -74,7 +74,8 @@ def run_all(engine: Any, runs: list[tuple[str, str]], llama_config: str) -> dict
     """Each ``(strategy, model)`` of ``runs`` in turn, in these processes: a fresh Engine per strategy on the
     launch's process group (it joins the group the launching engine formed, and leaves it to that engine),
     torn down before the next. Returns, on every rank, ``{"held": {(strategy, model): {rank: [bytes...]}},
-    "errors": {(strategy, model): {rank: traceback}}, "cpu_seconds": {rank: seconds}}``; a run that raises is recorded, and the next goes on."""
+    "errors": {(strategy, model): {rank: traceback}}, "cpu_seconds": {rank: seconds}}``; a run that raises is
+    recorded, and the next goes on."""
     import torch.distributed as dist
 
     from stratagem.engine import Engine

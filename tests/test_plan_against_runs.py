@@ -4,8 +4,8 @@ bytes each rank holds after one real step equal the plan's for that rank, to the
 
 The real side counts with the strategy's ``memory_held`` from each rank's own tensors (a shard's local part;
 DeepSpeed's own partitions): gradients as backward leaves them, the rest after the optimizer step. The plan is
-made here with every rank set up (``ranks="all"``) and compared by the contract suite's rule
-(``stratagem.contract.test_plan.problems_against``). The contract checks its own small model, each strategy at
+made with every rank set up (``ranks="all"``) and compared by the contract suite's rule
+(``stratagem.contract.test_plan.problems_against``); DeepSpeed's, an estimate of one rank, against every rank. The contract checks its own small model, each strategy at
 one size; this module checks the models users plan, at both sizes.
 
 Which strategy runs at which size (the names as ``stratagem plan --strategies`` and the Engine take them):
