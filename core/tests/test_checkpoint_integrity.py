@@ -105,6 +105,34 @@ def test_a_flipped_bit_in_any_file_is_refused_naming_it(engine: sg.Engine, tmp_p
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_files_summed_in_parts_on_threads_still_refuse_a_flip_in_any_part(
+    engine: sg.Engine, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large file is verified in parts summed on threads at once, their checksums combined: the combined
+    value is the file's (google-crc32c over its bytes), and a bit flipped in any part, the last one included, is
+    refused by a load. (The tiny files here are split as a 500 MB one is, by lowering the threshold.)"""
+    from stratagem.checkpoint import _checksum
+
+    monkeypatch.setattr(_checksum, "SPLIT_BYTES", 1024)
+    monkeypatch.setattr(_checksum, "_parts", lambda: 3)
+    path = tmp_path / "ckpt"
+    _save(engine, path, fmt)
+    file = path if fmt == "full" else max(_files(path), key=lambda f: f.stat().st_size)
+    size = file.stat().st_size
+    assert size >= 3 * 1024, size  # three parts of 512 bytes or more
+    assert _checksum.crc_of(file) == f"{google_crc32c.value(file.read_bytes()):08x}"
+    body = size - TRAILER if fmt == "full" else size
+    for part in range(3):
+        bit = (body * part // 3 + body // 6) * 8  # the middle of each part
+        flip(file, bit)
+        with pytest.raises(CheckpointError, match="fails verification") as caught:
+            _load(engine, path)
+        assert file.name in str(caught.value)
+        flip(file, bit)
+    _load(engine, path)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_checkpoints_without_checksums_still_load(engine: sg.Engine, tmp_path: Path, fmt: str) -> None:
     path = tmp_path / "old"
     model, optimizer = _save(engine, path, fmt)

@@ -83,13 +83,81 @@ def extend(value: int, data: Any) -> int:
     return int(_EXTEND(value, array.ctypes.data, array.size))
 
 
+#: A buffer at least this large is summed in parts on as many threads as the process may run on (a load
+#: verifying a file waits for the sum: a pass at the CRC's speed of one core, about 60 ms for 500 MB, shared
+#: out). Each part is at least half of it.
+SPLIT_BYTES = 64 << 20
+_POLY = 0x82F63B78  # CRC32C's polynomial, bits reflected
+
+
+def _multiply(a: int, b: int) -> int:
+    """``a * b`` modulo CRC32C's polynomial, both in the reflected representation (x^0 the top bit)."""
+    product, bit = 0, 1 << 31
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+        bit >>= 1
+    return product
+
+
+def combine(first: int, second: int, length: int) -> int:
+    """The CRC32C of two byte strings joined, from the CRC32C of each and the second's length in bytes: the
+    first's CRC moved past ``length`` zero bytes (times x^(8 length)), then the second's added."""
+    power, square, n = 1 << 31, 1 << 30, 8 * length  # x^0 and x^1
+    while n:
+        if n & 1:
+            power = _multiply(power, square)
+        square = _multiply(square, square)
+        n >>= 1
+    return _multiply(power, first) ^ second
+
+
+def _parts() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def extend_parallel(value: int, data: Any) -> int:
+    """:func:`extend` over a large buffer summed in parts on several threads at once (the native function
+    releases the GIL), the parts' checksums combined; the same value as :func:`extend`."""
+    import numpy as np
+
+    array = np.frombuffer(data, dtype=np.uint8)
+    parts = min(_parts(), 8, array.size // max(1, SPLIT_BYTES // 2))
+    if _EXTEND is None or parts < 2 or array.size < SPLIT_BYTES:
+        return extend(value, array)
+    import threading
+
+    bounds = [array.size * i // parts for i in range(parts + 1)]
+    sums = [0] * parts
+    address = array.ctypes.data
+
+    def run(i: int) -> None:
+        sums[i] = int(_EXTEND(0, address + bounds[i], bounds[i + 1] - bounds[i]))
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, parts)]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    total = combine(value, sums[0], bounds[1]) if value else sums[0]
+    for i in range(1, parts):
+        total = combine(total, sums[i], bounds[i + 1] - bounds[i])
+    return total
+
+
 def hexdigest(value: int) -> str:
     """A CRC32C as checkpoints record it: 8 lowercase hex digits."""
     return f"{value:08x}"
 
 
 def crc_bytes(data: bytes | memoryview, value: int = 0) -> int:
-    return extend(value, data)
+    return extend_parallel(value, data)
 
 
 class Summing:
@@ -198,7 +266,7 @@ def _crc_mapped(path: Path | str, length: int) -> int:
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         view = memoryview(mapped)
         try:
-            return extend(0, view[:length])
+            return extend_parallel(0, view[:length])
         finally:
             view.release()
 
