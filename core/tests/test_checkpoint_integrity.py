@@ -74,6 +74,22 @@ def test_every_file_has_its_checksum_recorded(engine: sg.Engine, tmp_path: Path,
         assert value == f"{google_crc32c.value((path / name).read_bytes()):08x}", name
 
 
+def test_large_writes_are_summed_piece_by_piece_as_they_are_written(tmp_path: Path) -> None:
+    """A write larger than a piece (a tensor's bytes) is summed and written a piece at a time: the file holds
+    every byte once, in order, and the checksum is google-crc32c's over the file."""
+    from stratagem.checkpoint import _checksum
+
+    writes = [torch.randn(900_000).numpy(), b"x" * 7, memoryview(torch.randn(3).numpy()), bytearray(3 << 20)]
+    writes[-1][-1] = 1
+    with open(tmp_path / "f", "wb", buffering=0) as raw, _checksum.Summing(raw) as stream:
+        sizes = [stream.write(data) for data in writes]
+        value, length = stream.value, stream.length
+    data = (tmp_path / "f").read_bytes()
+    assert data == b"".join(bytes(memoryview(w).cast("B")) for w in writes)
+    assert sizes == [len(memoryview(w).cast("B")) for w in writes] and length == len(data)
+    assert f"{value:08x}" == f"{google_crc32c.value(data):08x}"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_flipped_bit_in_any_file_is_refused_naming_it(engine: sg.Engine, tmp_path: Path, fmt: str) -> None:
     good = tmp_path / "good"
