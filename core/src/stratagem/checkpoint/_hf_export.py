@@ -269,10 +269,11 @@ def save_live(
     to_hf, _ = resolve_adapter(module, None)
     mine = {s.name: (s.shape, s.tensor.dtype) for s in shards}
     # Every rank plans the same files from what all ranks hold (a pipeline stage holds its tensors only).
-    gathered: list[Any] = [(mine, [s.key for s in shards], tied_names(module))]
+    held_here = (mine, [s.key for s in shards], tied_names(module))
+    gathered: list[Any] = [held_here]
     if strategy.world_size > 1:
         gathered = [None] * strategy.world_size
-        dist.all_gather_object(gathered, (mine, [s.key for s in shards], tied_names(module)))
+        dist.all_gather_object(gathered, held_here)
     listing: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     writer: dict[Any, int] = {}
     tied: dict[str, str] = {}

@@ -58,6 +58,14 @@ def _advise_huge_pages(block: torch.Tensor) -> None:
         libc.madvise(start, end - start, advice)  # advice only: a refusal leaves ordinary pages
 
 
+def _like(tensor: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor of ``tensor``'s layout over ``local``. Its spec (mesh, placements, global shape, stride, dtype)
+    is shared, not rebuilt: ``DTensor.from_local`` makes a new one and runs an autograd function per tensor,
+    most of the allocation's time (FSDP makes its own shards' DTensors this way too). No gradient is asked for:
+    ``_apply`` makes the parameter, with the meta parameter's ``requires_grad``."""
+    return DTensor(local, tensor._spec, requires_grad=False)  # type: ignore[call-arg]
+
+
 def to_empty_in_one_block(model: torch.nn.Module, device: torch.device) -> None:
     """``model.to_empty(device=device)``, with the meta tensors placed in one block on the CPU (see the module's
     docstring). A tensor already on ``device`` keeps its memory and values, where ``to_empty`` would give it
@@ -76,32 +84,16 @@ def to_empty_in_one_block(model: torch.nn.Module, device: torch.device) -> None:
         if not tensor.is_meta and tensor.device == device:
             # Made off the meta device, or a tied parameter whose block tensor the first visit swapped in.
             if isinstance(tensor, DTensor):
-                return DTensor.from_local(
-                    tensor._local_tensor,  # type: ignore[attr-defined]
-                    tensor.device_mesh,
-                    tensor.placements,
-                    shape=tensor.shape,
-                    stride=tensor.stride(),
-                    run_check=False,
-                )
+                return _like(tensor, tensor._local_tensor)  # type: ignore[attr-defined]
             return tensor.detach()
         if not tensor.is_meta:
             return torch.empty_like(tensor, device=device)
         local = _local(tensor)
         nbytes = local.numel() * local.element_size()
-        if not _pooled(tensor) or used + nbytes > total:
+        if id(tensor) not in metas or used + nbytes > total:
             return torch.empty_like(tensor, device=device)
         mine = block[used : used + nbytes].view(local.dtype).view(local.shape)
         used += _aligned(nbytes)
-        if isinstance(tensor, DTensor):
-            return DTensor.from_local(
-                mine,
-                tensor.device_mesh,
-                tensor.placements,
-                shape=tensor.shape,
-                stride=tensor.stride(),
-                run_check=False,
-            )
-        return mine
+        return _like(tensor, mine) if isinstance(tensor, DTensor) else mine
 
     model._apply(allocate)
