@@ -313,8 +313,7 @@ class FTDDPStrategy(FTStrategy):
         return model
 
     def _sync_gradients(self, model: torch.nn.Module) -> None:
-        if self._flat is None:
-            self._flat = _sync.FlatGradients()
+        self._flat = self._flat or _sync.FlatGradients()
         buffers = self._flat.gather(model.parameters())
         _sync.average_flat(
             buffers, group_size=self.world_size, manager=self.manager, process_group=self._process_group
