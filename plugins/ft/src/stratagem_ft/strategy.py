@@ -297,9 +297,10 @@ class FTStrategy(TorchDistributedStrategy):
 
 class FTDDPStrategy(FTStrategy):
     """``ft_ddp``: every process holds a full replica; gradients are averaged over the group's ranks, then over
-    the replica groups present (one flat all-reduce each)."""
+    the replica groups present (one flat all-reduce each, the gradients being views of the flat buffers)."""
 
     label = "ft_ddp"
+    _flat: _sync.FlatGradients | None = None
 
     @hookimpl
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -312,8 +313,16 @@ class FTDDPStrategy(FTStrategy):
         return model
 
     def _sync_gradients(self, model: torch.nn.Module) -> None:
-        grads = _sync.local_gradients(model.parameters())
-        _sync.average(grads, group_size=self.world_size, manager=self.manager)
+        self._flat = self._flat or _sync.FlatGradients()
+        buffers = self._flat.gather(model.parameters())
+        _sync.average_flat(
+            buffers, group_size=self.world_size, manager=self.manager, process_group=self._process_group
+        )
+
+    @hookimpl
+    def teardown(self) -> None:
+        self._flat = None
+        FTStrategy.teardown(self)
 
 
 class FTHSDPStrategy(FTStrategy):
@@ -382,7 +391,7 @@ class FTHSDPStrategy(FTStrategy):
     def _sync_gradients(self, model: torch.nn.Module) -> None:
         # FSDP's reduce-scatter has averaged over the group already: only the groups are left to average.
         grads = _sync.local_gradients(model.parameters())
-        _sync.average(grads, group_size=1, manager=self.manager)
+        _sync.average(grads, group_size=1, manager=self.manager, process_group=self._process_group)
 
     @hookimpl
     def teardown(self) -> None:
