@@ -232,6 +232,10 @@ def main() -> None:
         help="threads that verify one large file (1: one pass on one core, as before issue 41's second round)",
     )
     args = parser.parse_args()
+    if args.dir is not None and not os.path.isdir(args.dir):
+        parser.error(
+            f"--dir {args.dir}: no such directory (make it first, or leave --dir out for a temporary one)"
+        )
     print(f"uptime at the start: {os.getloadavg()}")
     _set_parts(args.parts)
     if args.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
