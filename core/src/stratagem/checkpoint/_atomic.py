@@ -19,6 +19,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 OLD_SUFFIX = ".stratagem-old"
 TMP_MARK = ".stratagem-tmp-"
@@ -121,19 +122,23 @@ def atomic_file(path: Path) -> Iterator[Path]:
             tmp.unlink()
 
 
-def _libc_renameat2() -> object | None:
+def libc_function(name: str, *argtypes: Any) -> Any:
+    """Linux's C library function ``name`` (returning an int, errno kept), or None where there is none: another
+    system, or a C library without it (``renameat2`` before glibc 2.28, musl)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):  # glibc before 2.28, musl
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (AttributeError, OSError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
     return function
 
 
-_RENAMEAT2 = _libc_renameat2()
+_RENAMEAT2 = libc_function(
+    "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
+)
 
 
 def exchange(first: Path, second: Path) -> bool:

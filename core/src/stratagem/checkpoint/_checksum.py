@@ -146,8 +146,8 @@ def extend_parallel(value: int, data: Any) -> int:
     run(0)
     for thread in threads:
         thread.join()
-    total = combine(value, sums[0], bounds[1]) if value else sums[0]
-    for i in range(1, parts):
+    total = value
+    for i in range(parts):
         total = combine(total, sums[i], bounds[i + 1] - bounds[i])
     return total
 

@@ -175,17 +175,7 @@ def allocate(fd: int, size: int) -> None:
     os.ftruncate(fd, size)
 
 
-def _libc_fallocate() -> Any:
-    try:
-        function = ctypes.CDLL(None, use_errno=True).fallocate
-    except (AttributeError, OSError):  # not Linux
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    function.restype = ctypes.c_int
-    return function
-
-
-_fallocate = _libc_fallocate()
+_fallocate = _atomic.libc_function("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
@@ -198,17 +188,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a refusal only loses the head start
 
 
-def _libc_sync_file_range() -> Any:
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):  # not Linux
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_sync_file_range = _libc_sync_file_range()
+_sync_file_range = _atomic.libc_function(
+    "sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint
+)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ def _like(tensor: DTensor, local: torch.Tensor) -> DTensor:
     is shared, not rebuilt: ``DTensor.from_local`` makes a new one and runs an autograd function per tensor,
     most of the allocation's time (FSDP makes its own shards' DTensors this way too). No gradient is asked for:
     ``_apply`` makes the parameter, with the meta parameter's ``requires_grad``."""
+    # DTensor's constructor and ``_spec`` are private (FSDP2 calls them so): torch's stubs leave them untyped.
     return DTensor(local, tensor._spec, requires_grad=False)  # type: ignore[call-arg]
 
 
@@ -84,6 +85,7 @@ def to_empty_in_one_block(model: torch.nn.Module, device: torch.device) -> None:
         if not tensor.is_meta and tensor.device == device:
             # Made off the meta device, or a tied parameter whose block tensor the first visit swapped in.
             if isinstance(tensor, DTensor):
+                # The local tensor itself (``to_local`` would run an autograd function); private, untyped.
                 return _like(tensor, tensor._local_tensor)  # type: ignore[attr-defined]
             return tensor.detach()
         if not tensor.is_meta:
