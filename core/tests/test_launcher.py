@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import stratagem as sg
 from stratagem.launchers import _worker_start
@@ -51,6 +52,27 @@ def test_a_failing_worker_ends_the_run_naming_its_rank(tmp_path: Path, temp_dir)
     assert "rank 1" in killed.stderr and "SIGKILL" in killed.stderr, killed.stderr
     assert killed_s < 60
     assert temp_dir.left() == [], "the run left these in the temporary directory"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_workers_start_where_the_temporary_folder_is_too_long_for_a_socket(tmp_path: Path, temp_dir) -> None:
+    # A job's TMPDIR (a scratch folder, pytest's tmp_path under pytest-xdist) may be too long for the fork
+    # server's socket, ``<TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX`` (AF_UNIX paths end at 107 bytes): the
+    # socket goes to /tmp; the run, and what it leaves nowhere, stay under TMPDIR.
+    long = temp_dir.path / ("t" * max(1, 80 - len(str(temp_dir.path))))
+    long.mkdir()
+    assert len(str(long)) + len("/pymp-XXXXXXXX/listener-XXXXXXXX") > 107
+    root = tmp_path / "long-tmpdir"
+    command = [sys.executable, str(WORKLOADS / "sg_workloads.py"), "--devices", "2", "--steps", "2"]
+    command += ["--root", str(root), "--out", str(root / "out")]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=90, env={**os.environ, "TMPDIR": str(long)}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):  # both ranks trained their two steps
+        assert len(torch.load(f"{root / 'out'}.rank{rank}", weights_only=False)[0]["losses"]) == 2
+    assert sorted(p.name for p in long.iterdir()) == [], "the run left these in its temporary directory"
 
 
 @pytest.mark.multiprocess

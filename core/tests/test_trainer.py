@@ -4,6 +4,7 @@ one-process reference on the global batch."""
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,38 @@ def test_devices_from_pytest_is_refused_with_advice(tmp_path: Path) -> None:
         trainer.fit(wl.Regression(), _loader())
     with pytest.raises(ConfigurationError, match="returned nothing"):
         sg.Trainer(strategy=wl.GradAverage(), accelerator="cpu", devices=2).fit(NoOptimizer(), _loader())
+
+
+XDIST_TEST = """
+import pytest
+import sg_workloads as wl
+from torch.utils.data import DataLoader
+
+import stratagem as sg
+from stratagem.errors import ConfigurationError
+
+
+def test_fit_on_two_devices(tmp_path):
+    trainer = sg.Trainer(strategy=wl.GradAverage(), accelerator="cpu", devices=2, default_root_dir=tmp_path)
+    with pytest.raises(ConfigurationError, match="inside pytest would re-run pytest"):
+        trainer.fit(wl.Regression(), DataLoader(wl.dataset(), batch_size=8))
+"""
+
+
+def test_devices_from_a_pytest_xdist_worker_is_refused_with_advice(tmp_path: Path) -> None:
+    # pytest-xdist runs tests in `python -c` processes that read their code from a pipe: nothing a worker could
+    # run again, and no sign of pytest in the command line.
+    pytest.importorskip("xdist", reason="needs pytest-xdist (requirements-test.txt)")
+    (tmp_path / "test_xdist_fit.py").write_text(XDIST_TEST)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "xdist", "-n", "1", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKLOADS), os.environ.get("PYTHONPATH", "")])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 # -------------------------------------------------------------------------------------------------

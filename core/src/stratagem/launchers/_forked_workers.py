@@ -87,6 +87,18 @@ _server_environment: dict[str, str] | None = None
 #: Where the server's socket lives: the temporary directory of the moment this module was imported, not a
 #: run's or a test's, which may be removed while the server still listens.
 _home = os.environ.get("TMPDIR") or "/tmp"
+#: The server's socket is ``<home>/pymp-XXXXXXXX/listener-XXXXXXXX``, and an AF_UNIX path ends at 107 bytes.
+_SOCKET_PATH_MAX = 107
+_SOCKET_TAIL = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def _socket_home() -> str | None:
+    """The folder for the server's socket: :data:`_home`, or ``/tmp`` where ``_home``'s path is too long for a
+    socket (a job's scratch folder, pytest's ``tmp_path``); ``None``: the temporary folder of the moment."""
+    for home in (_home, "/tmp"):
+        if os.path.isdir(home) and len(os.fsencode(home)) + _SOCKET_TAIL <= _SOCKET_PATH_MAX:
+            return home
+    return None
 
 
 def start_method() -> str:
@@ -122,7 +134,7 @@ def ensure_server() -> None:
         config = process.current_process()._config
         if "tempdir" not in config:
             saved = tempfile.tempdir
-            tempfile.tempdir = _home if os.path.isdir(_home) else None
+            tempfile.tempdir = _socket_home()
             try:
                 util.get_temp_dir()
             finally:

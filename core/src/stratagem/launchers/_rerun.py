@@ -40,6 +40,10 @@ def how_started() -> str:
         return "interactive"
     if Path(argv0).name in ("pytest", "py.test") or argv0.endswith(os.path.join("pytest", "__main__.py")):
         return "pytest"
+    # A pytest-xdist worker: `python -c` reading its code from a pipe, pytest loaded as a library. (A process
+    # that one starts inherits the variable, not the module.)
+    if os.environ.get("PYTEST_XDIST_WORKER") and "xdist.plugin" in sys.modules:
+        return "pytest"
     if argv0 == "-c" or hasattr(main, "__file__") or getattr(main, "__spec__", None) is not None:
         return "script"
     return "interactive"
