@@ -116,7 +116,10 @@ def test_devices_from_a_pytest_xdist_worker_is_refused_with_advice(tmp_path: Pat
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "xdist", "-n", "1", "-q", "-p", "no:cacheprovider"],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKLOADS), os.environ.get("PYTHONPATH", "")])},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(WORKLOADS), os.environ.get("PYTHONPATH")])),
+        },
         capture_output=True,
         text=True,
         timeout=120,
