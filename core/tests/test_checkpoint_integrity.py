@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +75,16 @@ def test_every_file_has_its_checksum_recorded(engine: sg.Engine, tmp_path: Path,
         assert value == f"{google_crc32c.value((path / name).read_bytes()):08x}", name
 
 
-def test_large_writes_are_summed_piece_by_piece_as_they_are_written(tmp_path: Path) -> None:
-    """A write larger than a piece (a tensor's bytes) is summed and written a piece at a time: the file holds
-    every byte once, in order, and the checksum is google-crc32c's over the file."""
+@pytest.mark.parametrize("cores", [1, 2])
+def test_large_writes_are_summed_as_they_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int
+) -> None:
+    """A write larger than a piece (a tensor's bytes) is summed as it is written: a piece at a time on one
+    core, on a helper thread beside the write on several. The file holds every byte once, in order, and the
+    checksum is google-crc32c's over the file."""
     from stratagem.checkpoint import _checksum
 
+    monkeypatch.setattr(_checksum, "_parts", lambda: cores)
     writes = [torch.randn(900_000).numpy(), b"x" * 7, memoryview(torch.randn(3).numpy()), bytearray(3 << 20)]
     writes[-1][-1] = 1
     with open(tmp_path / "f", "wb", buffering=0) as raw, _checksum.Summing(raw) as stream:
@@ -88,6 +94,40 @@ def test_large_writes_are_summed_piece_by_piece_as_they_are_written(tmp_path: Pa
     assert data == b"".join(bytes(memoryview(w).cast("B")) for w in writes)
     assert sizes == [len(memoryview(w).cast("B")) for w in writes] and length == len(data)
     assert f"{value:08x}" == f"{google_crc32c.value(data):08x}"
+
+
+def test_a_write_that_fails_beside_its_sum_raises_once_the_sum_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that fills during a large write: the error reaches the caller (not the helper summing beside it),
+    after the helper is done reading the caller's memory; the stream's checksum is not advanced."""
+    import errno
+    import threading
+
+    from stratagem.checkpoint import _checksum
+
+    monkeypatch.setattr(_checksum, "_parts", lambda: 2)
+    summing, summed = threading.Event(), threading.Event()
+    extend = _checksum.extend
+
+    def slow_extend(value: int, data: object) -> int:
+        summing.wait(5)  # still summing when the write fails
+        time.sleep(0.2)
+        value = extend(value, data)
+        summed.set()
+        return value
+
+    class Full:
+        def write(self, data: object) -> int:
+            summing.set()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_checksum, "extend", slow_extend)
+    stream = _checksum.Summing(Full())  # type: ignore[arg-type]
+    with pytest.raises(OSError, match="No space left"):
+        stream.write(torch.randn(1 << 20).numpy())
+    assert summed.is_set(), "the write returned while the helper was still reading its bytes"
+    assert (stream.value, stream.length) == (0, 0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
