@@ -6,6 +6,7 @@ falling back to the newest checkpoint that verifies."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 import time
@@ -334,3 +335,39 @@ def test_errors_cross_processes_whole() -> None:
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error), (again, error)
         assert again.__dict__ == error.__dict__
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_forked_child_sums_large_writes_with_threads_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The helper's threads are the parent's alone: a child forked after a large write has been summed (as the
+    launcher's fork server forks workers) sums its own large writes, and does not wait forever for threads it
+    does not have."""
+    from stratagem.checkpoint import _checksum
+
+    monkeypatch.setattr(_checksum, "_parts", lambda: 2)
+    data = torch.randn(1 << 20).numpy()
+    with open(tmp_path / "parent", "wb") as raw:
+        _checksum.Summing(raw).write(data)
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if its sum is google-crc32c's
+        code = 1
+        try:
+            with open(tmp_path / "child", "wb") as raw:
+                stream = _checksum.Summing(raw)
+                stream.write(data)
+            code = 0 if stream.value == google_crc32c.value(data.tobytes()) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung summing a large write")
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -162,22 +162,30 @@ def crc_bytes(data: bytes | memoryview, value: int = 0) -> int:
     return extend_parallel(value, data)
 
 
-_HELPER: tuple[int, Any] | None = None  # (the process that made it, the executor)
+_HELPER: Any = None
 _HELPER_LOCK = threading.Lock()
 
 
 def _helper() -> Any:
     """The threads that sum large writes while they are written (one per core; DCP writes from several threads).
-    The native sum releases the GIL, as does the write. A forked child makes its own: its parent's threads are
-    not in it."""
+    The native sum releases the GIL, as does the write."""
     global _HELPER
     with _HELPER_LOCK:
-        if _HELPER is None or _HELPER[0] != os.getpid():
+        if _HELPER is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            executor = ThreadPoolExecutor(max_workers=_parts(), thread_name_prefix="stratagem-crc32c")
-            _HELPER = (os.getpid(), executor)
-        return _HELPER[1]
+            _HELPER = ThreadPoolExecutor(max_workers=_parts(), thread_name_prefix="stratagem-crc32c")
+        return _HELPER
+
+
+def _forget_helper() -> None:
+    """In a forked child: its parent's threads are not in it, and the lock may have been held when it forked."""
+    global _HELPER, _HELPER_LOCK
+    _HELPER, _HELPER_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helper)
 
 
 class Summing:
