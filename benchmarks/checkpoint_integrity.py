@@ -171,20 +171,22 @@ def _summing_cost(file: Path, data: bytes, rounds: int = 9) -> str:
             return self.raw.write(block)
 
     parts = _checksum._parts
-    kinds: dict[str, Any] = {
-        "unsummed": lambda raw: raw,
-        "summed whole first": Whole,
-        "summed by pieces (one core)": _checksum.Summing,
-        "summed beside the write": _checksum.Summing,
+    # name: (the stream around the file, the cores the stream may use; None: as many as the process has)
+    kinds: dict[str, tuple[Any, int | None]] = {
+        "unsummed": (lambda raw: raw, None),
+        "summed whole first": (Whole, None),
+        "summed by pieces (one core)": (_checksum.Summing, 1),
+        "summed beside the write": (_checksum.Summing, None),
     }
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
     blocks = [memoryview(data)[i : i + (32 << 20)] for i in range(0, len(data), 32 << 20)]
     for i in range(rounds):
         for kind in kinds if i % 2 == 0 else reversed(list(kinds)):
-            _checksum._parts = (lambda: 1) if "one core" in kind else parts
+            make, cores = kinds[kind]
+            _checksum._parts = parts if cores is None else (lambda n=cores: n)
             with open(file, "wb") as raw:
-                start, cpu_start, stream = time.perf_counter(), time.process_time(), kinds[kind](raw)
+                start, cpu_start, stream = time.perf_counter(), time.process_time(), make(raw)
                 for block in blocks:
                     stream.write(block)
                 wall[kind].append(time.perf_counter() - start)

@@ -103,6 +103,7 @@ def test_a_write_that_fails_beside_its_sum_raises_once_the_sum_is_done(
     """A disk that fills during a large write: the error reaches the caller (not the helper summing beside it),
     after the helper is done reading the caller's memory; the stream's checksum is not advanced."""
     import errno
+    import io
     import threading
 
     from stratagem.checkpoint import _checksum
@@ -118,13 +119,13 @@ def test_a_write_that_fails_beside_its_sum_raises_once_the_sum_is_done(
         summed.set()
         return value
 
-    class Full:
-        def write(self, data: object) -> int:
+    class Full(io.BytesIO):  # a binary stream whose device is full
+        def write(self, data: Any) -> int:
             summing.set()
             raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(_checksum, "extend", slow_extend)
-    stream = _checksum.Summing(Full())  # type: ignore[arg-type]
+    stream = _checksum.Summing(Full())
     with pytest.raises(OSError, match="No space left"):
         stream.write(torch.randn(1 << 20).numpy())
     assert summed.is_set(), "the write returned while the helper was still reading its bytes"
@@ -337,7 +338,7 @@ def test_errors_cross_processes_whole() -> None:
         assert again.__dict__ == error.__dict__
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork exists on POSIX systems only, not on Windows")
 def test_a_forked_child_sums_large_writes_with_threads_of_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
